@@ -1,0 +1,367 @@
+"""`Engine`: the public face of a running engine, handed out by `open_engine`.
+
+A request goes through three stages, each of which can refuse it before anything is generated:
+1. `prepare_generate` / `prepare_chat` (synchronous): tokenize, validate the sampling parameters,
+   check the prompt against the context (`InvalidRequest`, `PromptTooLong`);
+2. `open_stream` (async context manager): admission (`EngineBusy`, `EngineClosed`), then the job
+   goes to the runner and a `RequestStream` comes back;
+3. iterating the stream: `GenerationOutput`s until one has `finished=True`.
+
+Leaving `open_stream`'s block for any reason (done, cancelled, an exception, `break`) aborts the
+runner's work for the request at its next step boundary and frees the admission slot, both with
+synchronous calls in `finally`, so it also happens inside a cancelled scope.
+
+`generate`, `stream_generate`, `chat` and `stream_chat` are the seed's convenience API on top.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from trio_mlx.actors.admission import AdmissionController
+from trio_mlx.actors.runner import ModelInfo, Runner
+from trio_mlx.actors.stream import RequestStream, TokenSink
+from trio_mlx.config import EngineConfig
+from trio_mlx.engine.decode import GenerationJob
+from trio_mlx.engine.prompts import check_token_ids, encode_chat, encode_text
+from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError, PromptTooLong
+from trio_mlx.text.detokenizer import decoder_for
+from trio_mlx.types import GenerationOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request: its prompt as token ids and its sampling parameters.
+
+    `params.max_tokens` is already capped to what fits in the context after the prompt.
+    """
+
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams
+
+
+class Engine:
+    """A loaded model behind admission control and the runner thread. Safe to share between
+    tasks of the Trio run that opened it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        admission: AdmissionController,
+        info: ModelInfo,
+    ) -> None:
+        self.config = config
+        self.info = info
+        self._runner = runner
+        self._admission = admission
+        self._decode = decoder_for(info.tokenizer)
+        self._request_ids = itertools.count(1)
+        self._closed = False
+        self._started_at = time.monotonic()
+        self._finished: Counter[str] = Counter()
+        self._last: GenerationOutput | None = None
+
+    # ---- facts -----------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.info.name
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (mlx-lm's `TokenizerWrapper` around the Hugging Face one)."""
+        return self.info.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.info.context_length
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._closed and self._runner.crash is None
+
+    # ---- stage 1: prepare ------------------------------------------------------------------
+
+    def prepare_generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> PreparedRequest:
+        """A text prompt (BOS added as the tokenizer does) or the caller's token ids."""
+        if isinstance(prompt, str):
+            tokens = encode_text(self.tokenizer, prompt)
+        else:
+            tokens = check_token_ids(prompt, self.info.vocab_size)
+        return self._prepare(tokens, "prompt", max_tokens, temperature, top_p, stop, seed)
+
+    def prepare_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> PreparedRequest:
+        """Chat messages rendered through the model's chat template."""
+        tokens = encode_chat(
+            self.tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+        )
+        return self._prepare(tokens, "messages", max_tokens, temperature, top_p, stop, seed)
+
+    def _prepare(
+        self,
+        tokens: list[int],
+        prompt_param: str,
+        max_tokens: int | None,
+        temperature: float,
+        top_p: float,
+        stop: str | Sequence[str] | None,
+        seed: int | None,
+    ) -> PreparedRequest:
+        requested = self.config.default_max_tokens if max_tokens is None else max_tokens
+        params = SamplingParams(
+            max_tokens=requested,
+            temperature=temperature,
+            top_p=top_p,
+            stop=SamplingParams.normalize_stop(stop),
+            seed=seed,
+        )
+        if not tokens:
+            raise PromptTooLong("the prompt is empty", param=prompt_param)
+        room = self.context_length - len(tokens)
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt has {len(tokens)} tokens; this model's context is "
+                f"{self.context_length} tokens, which leaves no room for a completion",
+                param=prompt_param,
+            )
+        if params.max_tokens > room:
+            params = SamplingParams(
+                max_tokens=room,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                stop=params.stop,
+                seed=params.seed,
+            )
+        return PreparedRequest(prompt_tokens=tuple(tokens), params=params)
+
+    # ---- stage 2: admit and run -------------------------------------------------------------
+
+    @asynccontextmanager
+    async def open_stream(self, request: PreparedRequest) -> AsyncIterator[RequestStream]:
+        """Admit `request` and start it; yield its `RequestStream`.
+
+        Raises `EngineBusy` (admission refused), `EngineClosed`, `EngineCrashed` before yielding.
+        """
+        self._check_alive()
+        submitted_at = time.monotonic()
+        request_id = next(self._request_ids)
+        lease = await self._admission.acquire(request_id)
+        stream: RequestStream | None = None
+        try:
+            self._check_alive()
+            sink = TokenSink()
+            stream = RequestStream(
+                request_id=request_id,
+                sink=sink,
+                decode=self._decode,
+                params=request.params,
+                prompt_tokens=len(request.prompt_tokens),
+                submitted_at=submitted_at,
+                on_done=lambda: self._runner.abort(request_id),
+            )
+            self._runner.submit(
+                GenerationJob(request_id, request.prompt_tokens, request.params), sink
+            )
+            try:
+                yield stream
+            finally:
+                sink.close()
+                self._runner.abort(request_id)
+        finally:
+            lease.release()
+            self._record(stream)
+
+    def _check_alive(self) -> None:
+        if self._runner.crash is not None:
+            raise EngineCrashed(f"the engine crashed: {self._runner.crash}")
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+
+    def _record(self, stream: RequestStream | None) -> None:
+        if stream is None:
+            return
+        final = stream.final
+        reason = final.finish_reason if final is not None else "abort"
+        self._finished[reason or "abort"] += 1
+        if final is not None:
+            self._last = final
+
+    # ---- the seed's API ----------------------------------------------------------------------
+
+    async def stream_generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int | None = None,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        stop: str | Sequence[str] | None = None,
+        *,
+        seed: int | None = None,
+    ) -> AsyncIterator[GenerationOutput]:
+        """Stream a completion of `prompt` (text, or token ids)."""
+        request = self.prepare_generate(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
+        )
+        async with self.open_stream(request) as stream:
+            async for output in stream:
+                yield output
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int | None = None,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        stop: str | Sequence[str] | None = None,
+        *,
+        seed: int | None = None,
+    ) -> GenerationOutput:
+        """The whole completion of `prompt`. Raises `GenerationError` if the model failed."""
+        request = self.prepare_generate(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
+        )
+        return await self._run_to_end(request)
+
+    async def stream_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        max_tokens: int | None = None,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        stop: str | Sequence[str] | None = None,
+        *,
+        seed: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[GenerationOutput]:
+        """Stream the assistant's reply to `messages`."""
+        request = self.prepare_chat(
+            messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        async with self.open_stream(request) as stream:
+            async for output in stream:
+                yield output
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        max_tokens: int | None = None,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        stop: str | Sequence[str] | None = None,
+        *,
+        seed: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> GenerationOutput:
+        """The assistant's whole reply to `messages`. Raises `GenerationError` if the model failed."""
+        request = self.prepare_chat(
+            messages,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return await self._run_to_end(request)
+
+    async def _run_to_end(self, request: PreparedRequest) -> GenerationOutput:
+        async with self.open_stream(request) as stream:
+            async for output in stream:
+                if output.finished:
+                    if output.finish_reason == "error":
+                        raise GenerationError(output.error or "generation failed")
+                    return output
+        raise AssertionError("a request stream ended without a final output")  # pragma: no cover
+
+    # ---- statistics ---------------------------------------------------------------------------
+
+    def get_stats(self) -> dict[str, Any]:
+        """A snapshot of the engine: admission, the runner's counters, finished requests."""
+        admission = self._admission.book.statistics()
+        counters = self._runner.counters
+        last = self._last
+        return {
+            "model_name": self.model_name,
+            "alive": self.is_alive,
+            "uptime_s": time.monotonic() - self._started_at,
+            "admission_mode": admission.mode,
+            "running": admission.running,
+            "waiting": admission.waiting,
+            "max_waiting": admission.max_waiting,
+            "admitted": admission.admitted,
+            "busy_rejections": admission.busy_rejections,
+            "wait_timeouts": admission.wait_timeouts,
+            "slot_holders": [
+                {"request_id": rid, "held_s": held} for rid, held in admission.holders.items()
+            ],
+            "finished": dict(self._finished),
+            "runner": {
+                "steps": counters.steps,
+                "prefill_chunks": counters.prefill_chunks,
+                "decode_steps": counters.decode_steps,
+                "prompt_tokens": counters.prompt_tokens,
+                "generated_tokens": counters.generated_tokens,
+                "live_sequences": counters.live,
+                "started": counters.started,
+                "aborted": counters.aborted,
+                "failed": counters.failed,
+                "busy_s": counters.busy_seconds,
+            },
+            "last_request": None
+            if last is None
+            else {
+                "prompt_tokens": last.prompt_tokens,
+                "completion_tokens": last.completion_tokens,
+                "finish_reason": last.finish_reason,
+                "time_to_first_token_s": last.time_to_first_token,
+                "generation_tps": last.generation_tps,
+            },
+        }
+
+    # ---- shutdown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuse new requests and end every request in flight with `finish_reason="abort"`.
+        Synchronous and idempotent; `open_engine` calls it on exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._admission.book.close()
+        self._runner.fail_all("abort", None)

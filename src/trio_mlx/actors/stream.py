@@ -1,0 +1,187 @@
+"""The per-request stream actor: token events in, text deltas and a final result out.
+
+`TokenSink` is the request's mailbox. The runner's per-step delivery appends to it and never
+blocks: a consumer that falls behind finds several tokens waiting and handles them together
+(deltas coalesce) instead of slowing the runner for everyone.
+
+`RequestStream` owns the request's detokenizer, stop-string matcher, usage counts and timings, and
+turns what the sink holds into `GenerationOutput`s. It runs in the consumer's own task: iterating
+it is the actor's loop, so when the consumer goes away (cancelled, or breaks out of its loop), the
+actor goes with it and the engine aborts the runner's work for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from trio_mlx.text.detokenizer import IncrementalDetokenizer
+from trio_mlx.text.stop import StopMatcher
+from trio_mlx.types import FinishReason, GenerationOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class SinkBatch:
+    """Everything that arrived for a request since its consumer last looked."""
+
+    tokens: list[int]
+    finish: FinishReason | None
+    error: str | None
+    first_token_at: float | None
+    last_token_at: float | None
+
+
+class TokenSink:
+    """A request's mailbox: filled by the runner's deliveries on the Trio thread, drained by its
+    `RequestStream`. `push` never blocks; once a finish has been pushed, later pushes are ignored.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: list[int] = []
+        self._finish: FinishReason | None = None
+        self._error: str | None = None
+        self._event = trio.Event()
+        self.closed = False
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._finish is not None
+
+    def push(
+        self,
+        tokens: Sequence[int] = (),
+        finish: FinishReason | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Add tokens and/or the finish. False when the consumer has gone (the request is dead)."""
+        if self.closed:
+            return False
+        if self._finish is not None:
+            return True
+        if tokens:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.last_token_at = now
+            self._tokens.extend(tokens)
+        if finish is not None:
+            self._finish = finish
+            self._error = error
+        self._event.set()
+        return True
+
+    def close(self) -> None:
+        """The consumer is gone: later pushes report it."""
+        self.closed = True
+
+    async def next_batch(self) -> SinkBatch:
+        """Wait until there is something new, and take all of it."""
+        while not self._tokens and self._finish is None:
+            self._event = trio.Event()
+            await self._event.wait()
+        tokens, self._tokens = self._tokens, []
+        return SinkBatch(
+            tokens=tokens,
+            finish=self._finish,
+            error=self._error,
+            first_token_at=self.first_token_at,
+            last_token_at=self.last_token_at,
+        )
+
+
+class RequestStream:
+    """Async iterator of a request's `GenerationOutput`s; the last one has `finished=True`.
+
+    `on_done` is called (synchronously) as soon as the outcome is known on this side, e.g. when a
+    stop string matched, so that the runner can stop generating before the consumer even exits.
+    """
+
+    def __init__(
+        self,
+        *,
+        request_id: int,
+        sink: TokenSink,
+        decode: Callable[[Sequence[int]], str],
+        params: SamplingParams,
+        prompt_tokens: int,
+        submitted_at: float,
+        on_done: Callable[[], None],
+    ) -> None:
+        self.request_id = request_id
+        self._sink = sink
+        self._detokenizer = IncrementalDetokenizer(decode)
+        self._stop = StopMatcher(params.stop)
+        self._prompt_tokens = prompt_tokens
+        self._submitted_at = submitted_at
+        self._on_done = on_done
+        self._text = ""
+        self._tokens: list[int] = []
+        self._done = False
+        self.final: GenerationOutput | None = None
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationOutput:
+        if self._done:
+            raise StopAsyncIteration
+        while True:
+            batch = await self._sink.next_batch()
+            output = self._absorb(batch)
+            if output is not None:
+                return output
+
+    def _absorb(self, batch: SinkBatch) -> GenerationOutput | None:
+        new_text: list[str] = []
+        new_tokens: list[int] = []
+        finish: FinishReason | None = None
+        for token in batch.tokens:
+            new_tokens.append(token)
+            emitted, stopped = self._stop.feed(self._detokenizer.add(token))
+            new_text.append(emitted)
+            if stopped:
+                finish = "stop"
+                break
+        if finish is None and batch.finish is not None:
+            emitted, stopped = self._stop.feed(self._detokenizer.flush())
+            new_text.append(emitted)
+            if not stopped:
+                new_text.append(self._stop.flush())
+            finish = "stop" if stopped else batch.finish
+        if not new_tokens and finish is None:
+            return None
+        self._tokens.extend(new_tokens)
+        delta = "".join(new_text)
+        self._text += delta
+        output = GenerationOutput(
+            text=self._text,
+            new_text=delta,
+            tokens=list(self._tokens),
+            new_tokens=new_tokens,
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=len(self._tokens),
+            finish_reason=finish,
+            finished=finish is not None,
+            error=batch.error if finish == "error" else None,
+        )
+        if batch.first_token_at is not None:
+            output.time_to_first_token = batch.first_token_at - self._submitted_at
+        if finish is not None:
+            self._done = True
+            if (
+                batch.first_token_at is not None
+                and batch.last_token_at is not None
+                and len(self._tokens) > 1
+                and batch.last_token_at > batch.first_token_at
+            ):
+                output.generation_tps = (len(self._tokens) - 1) / (
+                    batch.last_token_at - batch.first_token_at
+                )
+            self.final = output
+            self._on_done()
+        return output

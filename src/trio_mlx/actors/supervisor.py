@@ -1,0 +1,80 @@
+"""Starting and stopping an engine inside a Trio program.
+
+`serve_engine` is the `nursery.start` form: it starts the actors in dependency order (the runner
+first: it loads the model; admission needs nothing), reports the `Engine` as started, and serves
+until cancelled. On the way out it closes the engine (new requests refused, requests in flight end
+with `finish_reason="abort"`), then the runner thread stops at its next step boundary.
+
+`open_engine` is the `async with` form for programs that want the engine for a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from trio_mlx.actors.admission import AdmissionBook, AdmissionController
+from trio_mlx.actors.engine import Engine
+from trio_mlx.actors.runner import ModelLoader, Runner
+from trio_mlx.config import EngineConfig
+from trio_mlx.engine.loading import load_model
+from trio_mlx.errors import EngineCrashed
+
+
+async def serve_engine(
+    model: str | Path | None = None,
+    *,
+    loader: ModelLoader = load_model,
+    task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
+    **config: Any,
+) -> None:
+    """Run an engine until cancelled; `task_status.started(engine)` once the model is loaded.
+
+    `config` are `EngineConfig` fields. `loader` turns the model spec into a loaded model (tests
+    use it to wrap the model). A model that cannot be loaded raises before `started`.
+    """
+    cfg = EngineConfig(model=model, **config)
+    runner = Runner(cfg.model, prefill_step_size=cfg.prefill_step_size, loader=loader)
+    book = AdmissionBook(slots=1, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
+    admission = AdmissionController(book, max_wait=cfg.max_wait)
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(runner.run)
+        engine = Engine(cfg, runner, admission, info)
+        try:
+            task_status.started(engine)
+            await trio.sleep_forever()
+        finally:
+            engine.close()
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_engine(
+    model: str | Path | None = None,
+    *,
+    loader: ModelLoader = load_model,
+    **config: Any,
+) -> AsyncIterator[Engine]:
+    """Open an engine for the duration of the block::
+
+        async with trio_mlx.open_engine() as engine:      # the bundled SmolLM2-135M-Instruct
+            print(await engine.chat([{"role": "user", "content": "Hi"}], max_tokens=16))
+
+    Raises the load error if the model cannot be loaded, and `EngineCrashed` on exit if the runner
+    thread died while the block ran.
+    """
+    async with trio.open_nursery() as nursery:
+        engine: Engine = await nursery.start(partial(serve_engine, model, loader=loader, **config))
+        try:
+            yield engine
+        finally:
+            engine.close()
+            nursery.cancel_scope.cancel()
+    crash = engine._runner.crash
+    if crash is not None:
+        raise EngineCrashed(f"the engine crashed: {crash}") from crash

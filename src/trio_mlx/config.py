@@ -1,0 +1,47 @@
+"""Engine configuration, fixed at engine creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from trio_mlx.actors.admission import AdmissionMode
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine is built.
+
+    - `model`: an mlx-lm directory, a Hugging Face repo id in the local cache, a `.gguf` file, or
+      None for the bundled default (SmolLM2-135M-Instruct).
+    - `admission`: `"fail-fast"` refuses a request at once with `EngineBusy` while another one
+      generates (the default); `"wait"` queues up to `max_waiting` requests, each for at most
+      `max_wait` seconds. None picks `"wait"` when `max_waiting > 0`, else `"fail-fast"`.
+    - `prefill_step_size`: prompt tokens per prefill chunk; aborts take effect between chunks.
+    - `default_max_tokens`: completion budget when a request names none.
+    """
+
+    model: str | Path | None = None
+    admission: AdmissionMode | None = None
+    max_waiting: int = 0
+    max_wait: float = 30.0
+    prefill_step_size: int = 2048
+    default_max_tokens: int = 256
+
+    @property
+    def admission_mode(self) -> AdmissionMode:
+        if self.admission is not None:
+            return self.admission
+        return "wait" if self.max_waiting > 0 else "fail-fast"
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if self.prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
+        if self.max_wait <= 0:
+            raise ValueError("max_wait must be > 0")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        if self.admission == "wait" and self.max_waiting == 0:
+            raise ValueError("admission='wait' needs max_waiting > 0")

@@ -1,0 +1,74 @@
+"""Load a resolved model directory into MLX. Runs on the runner thread only."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trio_mlx.engine.model_spec import ResolvedModel, resolve_model_path
+from trio_mlx.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: the MLX module, its tokenizer, and the facts the engine needs.
+
+    `model` holds MLX arrays and must only be used on the thread that loaded it. The tokenizer is
+    plain Python/Rust and may be used from any thread.
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    path: Path
+    config: dict[str, Any]
+    context_length: int
+    eos_token_ids: frozenset[int]
+
+
+def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = config.get(key) or (config.get("text_config") or {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < 10_000_000:
+        return value
+    return 4096
+
+
+def load_model(spec: str | Path | None) -> LoadedModel:
+    """Resolve `spec` (see `resolve_model_path`) and load it with mlx-lm.
+
+    Raises `ModelLoadError` naming the directory and the reason when anything about it is wrong.
+    """
+    resolved: ResolvedModel = resolve_model_path(spec)
+    import mlx_lm
+
+    try:
+        model, tokenizer = mlx_lm.load(str(resolved.path))
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{resolved.path}: cannot load the model: {exc}") from exc
+    try:
+        config = json.loads((resolved.path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{resolved.path}/config.json: {exc}") from exc
+    eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=resolved.name,
+        path=resolved.path,
+        config=config,
+        context_length=_context_length(config, tokenizer),
+        eos_token_ids=eos,
+    )
+    log.info("loaded %s from %s (context %d)", loaded.name, loaded.path, loaded.context_length)
+    return loaded

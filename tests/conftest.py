@@ -1,0 +1,27 @@
+"""Shared fixtures: the tiny random model (built once per run) and an engine over it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from tiny_model import build_tiny_model  # noqa: E402
+
+import trio_mlx  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path) -> AsyncIterator[trio_mlx.Engine]:
+    async with trio_mlx.open_engine(tiny_model_dir) as engine:
+        yield engine

@@ -1,0 +1,50 @@
+"""A tiny randomly initialised llama with the real SmolLM2 tokenizer, for tests.
+
+Built from the bundled GGUF's tokenizer metadata by the same conversion code the engine uses, so the
+tokenizer, chat template and special tokens are the real ones; only the weights are random (and tiny:
+2 layers, hidden 64), which makes a forward pass take about a millisecond.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from trio_mlx.engine.default_model import default_gguf_path
+from trio_mlx.engine.gguf_tokenizer import write_tokenizer_files
+
+TINY_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 49152,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def build_tiny_model(out_dir: Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Write an mlx-lm directory with random weights and the SmolLM2 tokenizer into `out_dir`."""
+    from mlx_lm.models import llama
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _weights, metadata = mx.load(str(default_gguf_path()), return_metadata=True)
+    write_tokenizer_files(metadata, out_dir, source="SmolLM2 GGUF")
+    config = {**TINY_CONFIG, **overrides}
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Larger than default init so that the logits are spread out and greedy choices are stable.
+    params = {k: v * 4.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(out_dir / "model.safetensors"), params)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
