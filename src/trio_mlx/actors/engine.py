@@ -21,10 +21,12 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from dataclasses import dataclass
 from typing import Any
 
 from trio_mlx.actors.admission import AdmissionController
+from trio_mlx.actors.request import ActiveRequest, GenerationStream
 from trio_mlx.actors.runner import ModelInfo, Runner
 from trio_mlx.actors.stream import RequestStream, TokenSink
 from trio_mlx.config import EngineConfig
@@ -82,6 +84,11 @@ class Engine:
     @property
     def context_length(self) -> int:
         return self.info.context_length
+
+    @property
+    def crash(self) -> BaseException | None:
+        """What killed the runner thread, if it died."""
+        return self._runner.crash
 
     @property
     def is_alive(self) -> bool:
@@ -165,15 +172,23 @@ class Engine:
 
     @asynccontextmanager
     async def open_stream(self, request: PreparedRequest) -> AsyncIterator[RequestStream]:
-        """Admit `request` and start it; yield its `RequestStream`.
+        """Admit `request` and start it; yield its `RequestStream`. Leaving the block aborts the
+        request if it is still running and frees its slot.
 
         Raises `EngineBusy` (admission refused), `EngineClosed`, `EngineCrashed` before yielding.
         """
+        active = await self.start_request(request)
+        try:
+            yield active.stream
+        finally:
+            active.close()
+
+    async def start_request(self, request: PreparedRequest) -> ActiveRequest:
+        """Admit `request` and hand it to the runner. The caller must `close()` the result."""
         self._check_alive()
         submitted_at = time.monotonic()
         request_id = next(self._request_ids)
         lease = await self._admission.acquire(request_id)
-        stream: RequestStream | None = None
         try:
             self._check_alive()
             sink = TokenSink()
@@ -189,14 +204,17 @@ class Engine:
             self._runner.submit(
                 GenerationJob(request_id, request.prompt_tokens, request.params), sink
             )
-            try:
-                yield stream
-            finally:
-                sink.close()
-                self._runner.abort(request_id)
-        finally:
+        except BaseException:
+            lease.release()
+            raise
+
+        def close(stream: RequestStream) -> None:
+            sink.close()
+            self._runner.abort(request_id)
             lease.release()
             self._record(stream)
+
+        return ActiveRequest(stream, close)
 
     def _check_alive(self) -> None:
         if self._runner.crash is not None:
@@ -215,7 +233,7 @@ class Engine:
 
     # ---- the seed's API ----------------------------------------------------------------------
 
-    async def stream_generate(
+    def stream_generate(
         self,
         prompt: str | Sequence[int],
         max_tokens: int | None = None,
@@ -224,14 +242,16 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         *,
         seed: int | None = None,
-    ) -> AsyncIterator[GenerationOutput]:
-        """Stream a completion of `prompt` (text, or token ids)."""
+    ) -> GenerationStream:
+        """Stream a completion of `prompt` (text, or token ids): `async for out in ...`.
+
+        Validation errors raise here; admission happens on the first iteration. Dropping the
+        stream early (break, `aclose()`, cancellation) aborts the request.
+        """
         request = self.prepare_generate(
             prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
         )
-        async with self.open_stream(request) as stream:
-            async for output in stream:
-                yield output
+        return GenerationStream(partial(self.start_request, request))
 
     async def generate(
         self,
@@ -249,7 +269,7 @@ class Engine:
         )
         return await self._run_to_end(request)
 
-    async def stream_chat(
+    def stream_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         max_tokens: int | None = None,
@@ -260,8 +280,8 @@ class Engine:
         seed: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> AsyncIterator[GenerationOutput]:
-        """Stream the assistant's reply to `messages`."""
+    ) -> GenerationStream:
+        """Stream the assistant's reply to `messages` (see `stream_generate`)."""
         request = self.prepare_chat(
             messages,
             max_tokens=max_tokens,
@@ -272,9 +292,7 @@ class Engine:
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
         )
-        async with self.open_stream(request) as stream:
-            async for output in stream:
-                yield output
+        return GenerationStream(partial(self.start_request, request))
 
     async def chat(
         self,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason
 
 log = logging.getLogger(__name__)
+
+#: The runner thread's name while it serves (Trio's worker threads are reused afterwards).
+RUNNER_THREAD_NAME = "trio-mlx-runner"
 
 ModelLoader = Callable[[str | Path | None], LoadedModel]
 
@@ -184,6 +188,16 @@ class Runner:
     # ---- runner thread ---------------------------------------------------------------------
 
     def _thread_main(self, report_ready: Callable[[ModelInfo], None]) -> None:
+        """Body of the runner thread: named `RUNNER_THREAD_NAME` while it runs (Trio reuses its
+        worker threads, so the name is given back on the way out)."""
+        thread = threading.current_thread()
+        previous_name, thread.name = thread.name, RUNNER_THREAD_NAME
+        try:
+            self._serve_on_this_thread(report_ready)
+        finally:
+            thread.name = previous_name
+
+    def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
 
         loaded = self._loader(self._model_spec)

@@ -42,15 +42,22 @@ async def serve_engine(
     runner = Runner(cfg.model, prefill_step_size=cfg.prefill_step_size, loader=loader)
     book = AdmissionBook(slots=1, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
     admission = AdmissionController(book, max_wait=cfg.max_wait)
+    load_error: Exception | None = None
     async with trio.open_nursery() as nursery:
-        info = await nursery.start(runner.run)
-        engine = Engine(cfg, runner, admission, info)
         try:
-            task_status.started(engine)
-            await trio.sleep_forever()
-        finally:
-            engine.close()
-            nursery.cancel_scope.cancel()
+            info = await nursery.start(runner.run)
+        except Exception as exc:  # raised as it is, not inside this nursery's ExceptionGroup
+            load_error = exc
+        else:
+            engine = Engine(cfg, runner, admission, info)
+            try:
+                task_status.started(engine)
+                await trio.sleep_forever()
+            finally:
+                engine.close()
+                nursery.cancel_scope.cancel()
+    if load_error is not None:
+        raise load_error
 
 
 @asynccontextmanager
@@ -68,13 +75,26 @@ async def open_engine(
     Raises the load error if the model cannot be loaded, and `EngineCrashed` on exit if the runner
     thread died while the block ran.
     """
+    failure: Exception | None = None
     async with trio.open_nursery() as nursery:
-        engine: Engine = await nursery.start(partial(serve_engine, model, loader=loader, **config))
         try:
-            yield engine
-        finally:
-            engine.close()
-            nursery.cancel_scope.cancel()
-    crash = engine._runner.crash
+            engine: Engine = await nursery.start(
+                partial(serve_engine, model, loader=loader, **config)
+            )
+        except Exception as exc:  # the model did not load: nothing else is running yet
+            failure = exc
+        else:
+            try:
+                yield engine
+            except Exception as exc:
+                # The caller's own error: re-raised as it is once the engine has stopped, rather
+                # than wrapped in this nursery's ExceptionGroup.
+                failure = exc
+            finally:
+                engine.close()
+                nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    crash = engine.crash
     if crash is not None:
         raise EngineCrashed(f"the engine crashed: {crash}") from crash

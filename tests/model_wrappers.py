@@ -1,0 +1,96 @@
+"""Test models: the real tiny model wrapped to follow a script or to fail on cue.
+
+They go through the engine's `loader` hook, so everything else (runner thread, KV cache, sampler,
+detokenizer, stop matcher) is the real code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from trio_mlx.engine.loading import LoadedModel, load_model
+
+
+class _Wrapped:
+    """Delegates everything to the wrapped mlx-lm model (layers, make_cache, ...)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class ScriptedModel(_Wrapped):
+    """Runs the real forward pass, then forces the token at absolute position `p` to be
+    `script[p - prompt_len]` (greedy), so the completion is exactly `script` (then free)."""
+
+    def __init__(self, inner: Any, prompt_len: int, script: Sequence[int]) -> None:
+        super().__init__(inner)
+        self.prompt_len = prompt_len
+        self.script = list(script)
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        before = cache[0].offset if cache else 0
+        logits = self._inner(tokens, cache=cache)
+        index = before + tokens.shape[1] - self.prompt_len
+        if 0 <= index < len(self.script):
+            bias = mx.zeros((logits.shape[-1],), dtype=logits.dtype)
+            bias[self.script[index]] = 1e4
+            logits = logits + bias
+        return logits
+
+
+class FaultyModel(_Wrapped):
+    """Raises `RuntimeError` from the forward pass whenever `poison` is among the input tokens,
+    or once `fail_after_calls` calls have been made (for a failure in the middle of decoding)."""
+
+    def __init__(self, inner: Any, poison: int, fail_at_position: int | None = None) -> None:
+        super().__init__(inner)
+        self.poison = poison
+        self.fail_at_position = fail_at_position
+        self.calls = 0
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        self.calls += 1
+        before = cache[0].offset if cache else 0
+        if self.poison in tokens.tolist()[0]:
+            raise RuntimeError("injected fault: poison token in the input")
+        if self.fail_at_position is not None and before >= self.fail_at_position:
+            raise RuntimeError("injected fault while decoding")
+        return self._inner(tokens, cache=cache)
+
+
+class GatedModel(_Wrapped):
+    """Blocks each forward pass until the test opens the gate: lets a test hold the runner in
+    the middle of a step (a `threading.Event`, set from the test)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        self.gate.wait(timeout=30)
+        return self._inner(tokens, cache=cache)
+
+
+def wrapping_loader(
+    wrap: Callable[[Any], Any],
+) -> tuple[Callable[[str | Path | None], LoadedModel], list[Any]]:
+    """A loader that wraps the loaded model with `wrap`; the list receives the wrapper."""
+    made: list[Any] = []
+
+    def loader(spec: str | Path | None) -> LoadedModel:
+        loaded = load_model(spec)
+        wrapped = wrap(loaded.model)
+        made.append(wrapped)
+        return dataclasses.replace(loaded, model=wrapped)
+
+    return loader, made

@@ -1,0 +1,117 @@
+"""Starting, failing and stopping: load errors, model faults, closing with requests in flight."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+import trio_mlx
+from model_wrappers import FaultyModel, wrapping_loader
+from trio_mlx.actors.runner import RUNNER_THREAD_NAME
+
+PROMPT = "It was a bright cold day in April"
+
+
+def runner_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == RUNNER_THREAD_NAME]
+
+
+async def test_a_missing_model_raises_a_load_error_naming_it() -> None:
+    with pytest.raises(trio_mlx.ModelLoadError, match="/no/such/model"):
+        async with trio_mlx.open_engine("/no/such/model"):
+            pytest.fail("the engine must not open")  # pragma: no cover
+
+
+async def test_serve_engine_reports_the_engine_through_task_status(tiny_model_dir: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        engine = await nursery.start(trio_mlx.serve_engine, tiny_model_dir)
+        assert (await engine.generate(PROMPT, max_tokens=2)).finished
+        nursery.cancel_scope.cancel()
+    assert not engine.is_alive
+
+
+async def test_the_runner_thread_is_gone_after_the_engine_closes(tiny_model_dir: Path) -> None:
+    async with trio_mlx.open_engine(tiny_model_dir) as engine:
+        assert len(runner_threads()) == 1
+        await engine.generate(PROMPT, max_tokens=3)
+    assert runner_threads() == []
+    with pytest.raises(trio_mlx.EngineClosed):
+        await engine.generate(PROMPT, max_tokens=3)
+
+
+async def test_closing_the_engine_ends_streams_in_flight_with_abort(tiny_model_dir: Path) -> None:
+    outputs: list[trio_mlx.GenerationOutput] = []
+    got_some = trio.Event()
+
+    async def consume(engine: trio_mlx.Engine) -> None:
+        async for out in engine.stream_generate(PROMPT, max_tokens=900):
+            outputs.append(out)
+            got_some.set()
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as outer:
+            async with trio_mlx.open_engine(tiny_model_dir) as engine:
+                outer.start_soon(consume, engine)
+                await got_some.wait()
+    assert outputs[-1].finished
+    assert outputs[-1].finish_reason == "abort"
+    assert outputs[-1].completion_tokens < 900
+    assert runner_threads() == []
+
+
+async def test_a_waiter_is_refused_when_the_engine_closes(tiny_model_dir: Path) -> None:
+    errors: list[BaseException] = []
+
+    async def wait_for_slot(engine: trio_mlx.Engine) -> None:
+        try:
+            await engine.generate(PROMPT, max_tokens=2)
+        except trio_mlx.EngineClosed as exc:
+            errors.append(exc)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as outer:
+            async with trio_mlx.open_engine(tiny_model_dir, max_waiting=1) as engine:
+                async with engine.open_stream(engine.prepare_generate(PROMPT, max_tokens=2)):
+                    outer.start_soon(wait_for_slot, engine)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert engine.get_stats()["waiting"] == 1
+                    engine.close()
+    assert len(errors) == 1
+
+
+async def test_the_callers_own_error_comes_out_unwrapped(tiny_model_dir: Path) -> None:
+    with pytest.raises(KeyError):
+        async with trio_mlx.open_engine(tiny_model_dir):
+            raise KeyError("mine")
+    assert runner_threads() == []
+
+
+async def test_a_model_fault_in_prefill_fails_that_request_only(tiny_model_dir: Path) -> None:
+    poison = 31337
+    loader, _ = wrapping_loader(lambda m: FaultyModel(m, poison=poison))
+    async with trio_mlx.open_engine(tiny_model_dir, loader=loader) as engine:
+        with pytest.raises(trio_mlx.GenerationError, match="injected fault"):
+            await engine.generate([5, 6, poison, 7, 8], max_tokens=4)
+        out = await engine.generate(PROMPT, max_tokens=4)
+        assert out.completion_tokens == 4
+        stats = engine.get_stats()
+        assert stats["runner"]["failed"] == 1
+        assert stats["finished"] == {"error": 1, "length": 1}
+        assert engine.is_alive
+
+
+async def test_a_model_fault_mid_decode_ends_the_stream_with_an_error(tiny_model_dir: Path) -> None:
+    loader, _ = wrapping_loader(lambda m: FaultyModel(m, poison=-1, fail_at_position=20))
+    async with trio_mlx.open_engine(tiny_model_dir, loader=loader) as engine:
+        prompt = list(range(300, 310))
+        outputs = [o async for o in engine.stream_generate(prompt, max_tokens=50)]
+        assert outputs[-1].finish_reason == "error"
+        assert "injected fault while decoding" in (outputs[-1].error or "")
+        # The tokens generated before the fault were delivered.
+        assert 0 < outputs[-1].completion_tokens < 50
+        short = await engine.generate([1, 2, 3], max_tokens=3)
+        assert short.completion_tokens == 3
