@@ -1,0 +1,3 @@
+from trio_mlx.cli import main
+import sys
+sys.exit(main())
