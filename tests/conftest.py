@@ -11,9 +11,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from tiny_model import build_tiny_model  # noqa: E402
-
-import trio_mlx  # noqa: E402
+import trio_mlx
+from tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,7 @@ async def test_cancelling_mid_prefill_stops_between_chunks(tiny_model_dir: Path)
         request = engine.prepare_generate([200 + i for i in range(600)], max_tokens=5)
         with trio.fail_after(10):
             async with engine.open_stream(request):
-                while engine.get_stats()["runner"]["prefill_chunks"] < 3:
+                while engine.get_stats()["runner"]["prefill_chunks"] < 3:  # noqa: ASYNC110
                     await trio.sleep(0.001)
         chunks_at_abort = engine.get_stats()["runner"]["prefill_chunks"]
         await wait_until_idle(engine)

@@ -102,8 +102,7 @@ async def test_multibyte_utf8_split_across_tokens_never_streams_broken_text(
     loader, _ = wrapping_loader(lambda m: ScriptedModel(m, len(prompt), script))
     async with trio_mlx.open_engine(tiny_model_dir, loader=loader) as engine:
         outputs = [
-            o
-            async for o in engine.stream_generate(prompt, max_tokens=len(script), temperature=0.0)
+            o async for o in engine.stream_generate(prompt, max_tokens=len(script), temperature=0.0)
         ]
     assert outputs[-1].tokens == script
     assert all("\ufffd" not in o.new_text for o in outputs)
@@ -200,8 +199,15 @@ async def test_token_ids_outside_the_vocabulary_are_refused(engine: trio_mlx.Eng
 
 
 async def test_content_parts_render_like_plain_content(engine: trio_mlx.Engine) -> None:
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
-                                          {"type": "text", "text": " of France?"}]}]
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the capital"},
+                {"type": "text", "text": " of France?"},
+            ],
+        }
+    ]
     assert engine.prepare_chat(parts).prompt_tokens == engine.prepare_chat(MESSAGES).prompt_tokens
 
 

@@ -69,9 +69,7 @@ def tokenizer(tiny_model_dir: Path) -> object:
         "<|im_start|>user",  # special tokens are skipped
     ],
 )
-def test_incremental_detokenization_equals_decoding_the_whole(
-    tokenizer: object, text: str
-) -> None:
+def test_incremental_detokenization_equals_decoding_the_whole(tokenizer: object, text: str) -> None:
     ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
     decode = decoder_for(tokenizer)
     detok = IncrementalDetokenizer(decode)

@@ -1,8 +1,8 @@
 """A tiny randomly initialised llama with the real SmolLM2 tokenizer, for tests.
 
 Built from the bundled GGUF's tokenizer metadata by the same conversion code the engine uses, so the
-tokenizer, chat template and special tokens are the real ones; only the weights are random (and tiny:
-2 layers, hidden 64), which makes a forward pass take about a millisecond.
+tokenizer, chat template and special tokens are the real ones; only the weights are random (and
+tiny: 2 layers, hidden 64), which makes a forward pass take about a millisecond.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """trio-mlx: an LLM inference engine and OpenAI-compatible server on MLX, built as Trio actors.
 
-    async with trio_mlx.open_engine() as engine:
-        async for out in engine.stream_chat([{"role": "user", "content": "Hi"}], max_tokens=32):
-            print(out.new_text, end="")
+async with trio_mlx.open_engine() as engine:
+    async for out in engine.stream_chat([{"role": "user", "content": "Hi"}], max_tokens=32):
+        print(out.new_text, end="")
 """
 
 from trio_mlx.actors.engine import Engine, PreparedRequest

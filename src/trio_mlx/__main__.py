@@ -1,3 +1,5 @@
-from trio_mlx.cli import main
 import sys
+
+from trio_mlx.cli import main
+
 sys.exit(main())

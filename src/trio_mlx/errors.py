@@ -1,6 +1,6 @@
 """The exceptions trio-mlx raises to its callers.
 
-Each carries a stable `code` (used as the OpenAI error `code` by the HTTP layer) so that a caller can
+Each carries a stable `code` (the OpenAI error `code` in the HTTP layer) so that a caller can
 tell a refusal (retry later) from a bad request (fix it) from a dead engine (give up).
 """
 

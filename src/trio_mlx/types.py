@@ -36,7 +36,9 @@ class SamplingParams:
             raise InvalidRequest("temperature must be between 0 and 2", param="temperature")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest("top_p must be greater than 0 and at most 1", param="top_p")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
             raise InvalidRequest("seed must be an integer", param="seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
@@ -63,7 +65,8 @@ class GenerationOutput:
     `text` and `tokens` hold everything generated so far; `new_text` and `new_tokens` what this step
     added. `completion_tokens` counts generated tokens, stop-string tokens included, EOS excluded.
     `finish_reason` is set on the last output only: `stop` (EOS or a stop string), `length`
-    (`max_tokens` or the context), `abort` (cancelled or the engine closed), `error` (`error` says why).
+    (`max_tokens` or the context), `abort` (cancelled or the engine closed), `error` (see
+    `error`).
     """
 
     text: str = ""

@@ -124,7 +124,7 @@ class AdmissionBook:
         self._waiting.clear()
 
     def retry_after(self) -> float:
-        """Seconds after which a retry will likely find a slot: the queue ahead times the mean hold."""
+        """Seconds until a retry will likely find a slot: the queue ahead times the mean hold."""
         ahead = len(self._waiting) + 1
         return float(min(60, max(1, math.ceil(self._mean_hold * ahead / self.slots))))
 
@@ -199,4 +199,3 @@ class AdmissionController:
                 reason="timeout",
             )
         return Lease(self.book, request_id)
-

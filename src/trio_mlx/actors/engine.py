@@ -21,8 +21,8 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from trio_mlx.actors.admission import AdmissionController
@@ -249,7 +249,12 @@ class Engine:
         stream early (break, `aclose()`, cancellation) aborts the request.
         """
         request = self.prepare_generate(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
         )
         return GenerationStream(partial(self.start_request, request))
 
@@ -265,7 +270,12 @@ class Engine:
     ) -> GenerationOutput:
         """The whole completion of `prompt`. Raises `GenerationError` if the model failed."""
         request = self.prepare_generate(
-            prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            seed=seed,
         )
         return await self._run_to_end(request)
 
@@ -306,7 +316,7 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> GenerationOutput:
-        """The assistant's whole reply to `messages`. Raises `GenerationError` if the model failed."""
+        """The assistant's whole reply. Raises `GenerationError` if the model failed."""
         request = self.prepare_chat(
             messages,
             max_tokens=max_tokens,

@@ -12,6 +12,7 @@ collected after a `break`) — without the warning an abandoned async generator 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -44,10 +45,8 @@ class ActiveRequest:
         if threading.get_ident() == self._thread:
             self.close()
             return
-        try:
+        with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(self.close)
-        except trio.RunFinishedError:
-            pass
 
 
 class GenerationStream:

@@ -117,7 +117,9 @@ class Runner:
 
     # ---- Trio side -------------------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Start the thread, load the model, report `ModelInfo` as started, then serve until
         cancelled. A load error is raised before `started` (so `nursery.start` raises it)."""
         self._token = trio.lowlevel.current_trio_token()
@@ -237,7 +239,9 @@ class Runner:
                         del live[request_id]
                         counters.failed += 1
                         events.append(
-                            SequenceEvent(request_id, finish="error", error=f"{type(exc).__name__}: {exc}")
+                            SequenceEvent(
+                                request_id, finish="error", error=f"{type(exc).__name__}: {exc}"
+                            )
                         )
                         continue
                     counters.prompt_tokens += result.prefilled
@@ -283,7 +287,9 @@ class Runner:
                 log.exception("request %d could not start", job.request_id)
                 self.counters.failed += 1
                 events.append(
-                    SequenceEvent(job.request_id, finish="error", error=f"{type(exc).__name__}: {exc}")
+                    SequenceEvent(
+                        job.request_id, finish="error", error=f"{type(exc).__name__}: {exc}"
+                    )
                 )
         self.counters.live = len(live)
         return events

@@ -51,7 +51,8 @@ def load_model(spec: str | Path | None) -> LoadedModel:
     import mlx_lm
 
     try:
-        model, tokenizer = mlx_lm.load(str(resolved.path))
+        result = mlx_lm.load(str(resolved.path))
+        model, tokenizer = result[0], result[1]
     except ModelLoadError:
         raise
     except Exception as exc:

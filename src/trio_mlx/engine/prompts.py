@@ -105,5 +105,7 @@ def encode_chat(
     except InvalidRequest:
         raise
     except Exception as exc:  # a template's own `raise_exception(...)` or a Jinja error
-        raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        raise InvalidRequest(
+            f"the chat template rejected the messages: {exc}", param="messages"
+        ) from exc
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -22,8 +22,10 @@ def decoder_for(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     """
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     raw = getattr(hf, "_tokenizer", None)
-    if raw is not None and hasattr(raw, "decode") and not getattr(
-        hf, "clean_up_tokenization_spaces", False
+    if (
+        raw is not None
+        and hasattr(raw, "decode")
+        and not getattr(hf, "clean_up_tokenization_spaces", False)
     ):
         raw_decode = raw.decode
         return lambda ids: str(raw_decode(list(ids), skip_special_tokens=True))
@@ -42,7 +44,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def add(self, token: int) -> str:
-        """Add one token; return the text it completes (possibly empty while a character is split)."""
+        """Add one token; return the text it completes (empty while a character is split)."""
         self._tokens.append(token)
         window = self._tokens[self._prefix_offset :]
         prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])

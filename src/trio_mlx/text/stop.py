@@ -23,7 +23,7 @@ class StopMatcher:
         return self._held
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """Add `text`; return the text that may be emitted now, and whether a stop string matched."""
+        """Add `text`; return what may be emitted now, and whether a stop string matched."""
         if not self._stops:
             return text, False
         buffer = self._held + text
