@@ -5,10 +5,11 @@ async with trio_mlx.open_engine() as engine:
         print(out.new_text, end="")
 """
 
-from trio_mlx.actors.engine import Engine, PreparedRequest
+from trio_mlx.actors.engine import Engine
 from trio_mlx.actors.stream import RequestStream
 from trio_mlx.actors.supervisor import open_engine, serve_engine
 from trio_mlx.config import EngineConfig
+from trio_mlx.engine.decode import LogitsProcessor
 from trio_mlx.errors import (
     EngineBusy,
     EngineClosed,
@@ -19,7 +20,8 @@ from trio_mlx.errors import (
     PromptTooLong,
     TrioMLXError,
 )
-from trio_mlx.types import GenerationOutput, SamplingParams
+from trio_mlx.preparation import PreparedRequest, SamplingOptions
+from trio_mlx.types import GenerationOutput, SamplingParams, TokenLogprob
 
 __all__ = [
     "Engine",
@@ -30,11 +32,14 @@ __all__ = [
     "GenerationError",
     "GenerationOutput",
     "InvalidRequest",
+    "LogitsProcessor",
     "ModelLoadError",
     "PreparedRequest",
     "PromptTooLong",
     "RequestStream",
+    "SamplingOptions",
     "SamplingParams",
+    "TokenLogprob",
     "TrioMLXError",
     "open_engine",
     "serve_engine",

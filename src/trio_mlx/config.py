@@ -19,6 +19,9 @@ class EngineConfig:
       `max_wait` seconds. None picks `"wait"` when `max_waiting > 0`, else `"fail-fast"`.
     - `prefill_step_size`: prompt tokens per prefill chunk; aborts take effect between chunks.
     - `default_max_tokens`: completion budget when a request names none.
+    - `max_tokens_limit`: a server-wide cap; a request asking for more is refused.
+    - `max_kv_size`: bound each sequence's KV cache to this many tokens (a rotating cache that
+      keeps the first tokens and the most recent ones), for long generations in bounded memory.
     """
 
     model: str | Path | None = None
@@ -27,6 +30,8 @@ class EngineConfig:
     max_wait: float = 30.0
     prefill_step_size: int = 2048
     default_max_tokens: int = 256
+    max_tokens_limit: int | None = None
+    max_kv_size: int | None = None
 
     @property
     def admission_mode(self) -> AdmissionMode:
@@ -41,6 +46,10 @@ class EngineConfig:
             raise ValueError("prefill_step_size must be >= 1")
         if self.max_wait <= 0:
             raise ValueError("max_wait must be > 0")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError("max_tokens_limit must be >= 1")
+        if self.max_kv_size is not None and self.max_kv_size < 8:
+            raise ValueError("max_kv_size must be >= 8")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if self.admission == "wait" and self.max_waiting == 0:

@@ -21,9 +21,8 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Unpack
 
 from trio_mlx.actors.admission import AdmissionController
 from trio_mlx.actors.request import ActiveRequest, GenerationStream
@@ -31,21 +30,11 @@ from trio_mlx.actors.runner import ModelInfo, Runner
 from trio_mlx.actors.stream import RequestStream, TokenSink
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.decode import GenerationJob
-from trio_mlx.engine.prompts import check_token_ids, encode_chat, encode_text
-from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError, PromptTooLong
+from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError
+from trio_mlx.preparation import PreparedRequest, ReasoningTags, RequestPreparer, SamplingOptions
 from trio_mlx.text.detokenizer import decoder_for
-from trio_mlx.types import GenerationOutput, SamplingParams
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated request: its prompt as token ids and its sampling parameters.
-
-    `params.max_tokens` is already capped to what fits in the context after the prompt.
-    """
-
-    prompt_tokens: tuple[int, ...]
-    params: SamplingParams
+from trio_mlx.text.reasoning import ReasoningSplitter
+from trio_mlx.types import GenerationOutput
 
 
 class Engine:
@@ -64,6 +53,13 @@ class Engine:
         self._runner = runner
         self._admission = admission
         self._decode = decoder_for(info.tokenizer)
+        self._preparer = RequestPreparer(
+            info.tokenizer,
+            vocab_size=info.vocab_size,
+            context_length=info.context_length,
+            default_max_tokens=config.default_max_tokens,
+            max_tokens_limit=config.max_tokens_limit,
+        )
         self._request_ids = itertools.count(1)
         self._closed = False
         self._started_at = time.monotonic()
@@ -104,14 +100,17 @@ class Engine:
         temperature: float = 0.7,
         top_p: float = 0.9,
         stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> PreparedRequest:
         """A text prompt (BOS added as the tokenizer does) or the caller's token ids."""
-        if isinstance(prompt, str):
-            tokens = encode_text(self.tokenizer, prompt)
-        else:
-            tokens = check_token_ids(prompt, self.info.vocab_size)
-        return self._prepare(tokens, "prompt", max_tokens, temperature, top_p, stop, seed)
+        return self._preparer.text(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            options=options,
+        )
 
     def prepare_chat(
         self,
@@ -121,52 +120,21 @@ class Engine:
         temperature: float = 0.7,
         top_p: float = 0.9,
         stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> PreparedRequest:
         """Chat messages rendered through the model's chat template."""
-        tokens = encode_chat(
-            self.tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
-        )
-        return self._prepare(tokens, "messages", max_tokens, temperature, top_p, stop, seed)
-
-    def _prepare(
-        self,
-        tokens: list[int],
-        prompt_param: str,
-        max_tokens: int | None,
-        temperature: float,
-        top_p: float,
-        stop: str | Sequence[str] | None,
-        seed: int | None,
-    ) -> PreparedRequest:
-        requested = self.config.default_max_tokens if max_tokens is None else max_tokens
-        params = SamplingParams(
-            max_tokens=requested,
+        return self._preparer.chat(
+            messages,
+            max_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
-            stop=SamplingParams.normalize_stop(stop),
-            seed=seed,
+            stop=stop,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            options=options,
         )
-        if not tokens:
-            raise PromptTooLong("the prompt is empty", param=prompt_param)
-        room = self.context_length - len(tokens)
-        if room < 1:
-            raise PromptTooLong(
-                f"the prompt has {len(tokens)} tokens; this model's context is "
-                f"{self.context_length} tokens, which leaves no room for a completion",
-                param=prompt_param,
-            )
-        if params.max_tokens > room:
-            params = SamplingParams(
-                max_tokens=room,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                stop=params.stop,
-                seed=params.seed,
-            )
-        return PreparedRequest(prompt_tokens=tuple(tokens), params=params)
 
     # ---- stage 2: admit and run -------------------------------------------------------------
 
@@ -200,9 +168,13 @@ class Engine:
                 prompt_tokens=len(request.prompt_tokens),
                 submitted_at=submitted_at,
                 on_done=lambda: self._runner.abort(request_id),
+                reasoning=_splitter(request.reasoning),
             )
             self._runner.submit(
-                GenerationJob(request_id, request.prompt_tokens, request.params), sink
+                GenerationJob(
+                    request_id, request.prompt_tokens, request.params, request.logits_processors
+                ),
+                sink,
             )
         except BaseException:
             lease.release()
@@ -240,8 +212,7 @@ class Engine:
         temperature: float = 0.7,
         top_p: float = 0.9,
         stop: str | Sequence[str] | None = None,
-        *,
-        seed: int | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> GenerationStream:
         """Stream a completion of `prompt` (text, or token ids): `async for out in ...`.
 
@@ -254,7 +225,7 @@ class Engine:
             temperature=temperature,
             top_p=top_p,
             stop=stop,
-            seed=seed,
+            **options,
         )
         return GenerationStream(partial(self.start_request, request))
 
@@ -265,8 +236,7 @@ class Engine:
         temperature: float = 0.7,
         top_p: float = 0.9,
         stop: str | Sequence[str] | None = None,
-        *,
-        seed: int | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> GenerationOutput:
         """The whole completion of `prompt`. Raises `GenerationError` if the model failed."""
         request = self.prepare_generate(
@@ -275,7 +245,7 @@ class Engine:
             temperature=temperature,
             top_p=top_p,
             stop=stop,
-            seed=seed,
+            **options,
         )
         return await self._run_to_end(request)
 
@@ -287,9 +257,9 @@ class Engine:
         top_p: float = 0.9,
         stop: str | Sequence[str] | None = None,
         *,
-        seed: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> GenerationStream:
         """Stream the assistant's reply to `messages` (see `stream_generate`)."""
         request = self.prepare_chat(
@@ -298,9 +268,9 @@ class Engine:
             temperature=temperature,
             top_p=top_p,
             stop=stop,
-            seed=seed,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            **options,
         )
         return GenerationStream(partial(self.start_request, request))
 
@@ -312,9 +282,9 @@ class Engine:
         top_p: float = 0.9,
         stop: str | Sequence[str] | None = None,
         *,
-        seed: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> GenerationOutput:
         """The assistant's whole reply. Raises `GenerationError` if the model failed."""
         request = self.prepare_chat(
@@ -323,9 +293,9 @@ class Engine:
             temperature=temperature,
             top_p=top_p,
             stop=stop,
-            seed=seed,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            **options,
         )
         return await self._run_to_end(request)
 
@@ -393,3 +363,9 @@ class Engine:
         self._closed = True
         self._admission.book.close()
         self._runner.fail_all("abort", None)
+
+
+def _splitter(tags: ReasoningTags | None) -> ReasoningSplitter | None:
+    if tags is None:
+        return None
+    return ReasoningSplitter(tags.start, tags.end, thinking=tags.open_in_prompt)

@@ -35,7 +35,7 @@ from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.errors import EngineCrashed
-from trio_mlx.types import FinishReason
+from trio_mlx.types import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class SequenceEvent:
     tokens: tuple[int, ...] = ()
     finish: FinishReason | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,12 @@ class Runner:
         model: str | Path | None,
         *,
         prefill_step_size: int = 2048,
+        max_kv_size: int | None = None,
         loader: ModelLoader = load_model,
     ) -> None:
         self._model_spec = model
         self._prefill_step_size = prefill_step_size
+        self._max_kv_size = max_kv_size
         self._loader = loader
         self._commands: queue.SimpleQueue[_Start | _Abort] = queue.SimpleQueue()
         self._wakeup = trio.Event()
@@ -182,7 +185,7 @@ class Runner:
             sink = self._sinks.get(event.request_id)
             if sink is None:
                 continue  # aborted meanwhile
-            if not sink.push(event.tokens, event.finish, event.error):
+            if not sink.push(event.tokens, event.finish, event.error, event.logprobs):
                 self.abort(event.request_id)
             elif event.finish is not None:
                 del self._sinks[event.request_id]
@@ -252,7 +255,9 @@ class Runner:
                     counters.generated_tokens += len(result.tokens)
                     if result.tokens or result.finish is not None:
                         finish: FinishReason | None = result.finish  # type: ignore[assignment]
-                        events.append(SequenceEvent(request_id, result.tokens, finish))
+                        events.append(
+                            SequenceEvent(request_id, result.tokens, finish, None, result.logprobs)
+                        )
                     if result.finish is not None:
                         del live[request_id]
                 counters.steps += 1
@@ -268,6 +273,7 @@ class Runner:
     ) -> list[SequenceEvent]:
         """Apply every queued command; return the events they cause (a job that cannot start)."""
         events: list[SequenceEvent] = []
+        vocab_size = self.info.vocab_size if self.info is not None else len(loaded.tokenizer)
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -280,7 +286,12 @@ class Runner:
             job = command.job
             try:
                 live[job.request_id] = ActiveSequence(
-                    job, loaded.model, loaded.eos_token_ids, self._prefill_step_size
+                    job,
+                    loaded.model,
+                    loaded.eos_token_ids,
+                    self._prefill_step_size,
+                    vocab_size=vocab_size,
+                    max_kv_size=self._max_kv_size,
                 )
                 self.counters.started += 1
             except Exception as exc:

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import trio
 
 from trio_mlx.text.detokenizer import IncrementalDetokenizer
+from trio_mlx.text.reasoning import ReasoningSplitter
 from trio_mlx.text.stop import StopMatcher
-from trio_mlx.types import FinishReason, GenerationOutput, SamplingParams
+from trio_mlx.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class SinkBatch:
     """Everything that arrived for a request since its consumer last looked."""
 
     tokens: list[int]
+    logprobs: list[TokenLogprob]
     finish: FinishReason | None
     error: str | None
     first_token_at: float | None
@@ -41,6 +43,7 @@ class TokenSink:
 
     def __init__(self) -> None:
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self._finish: FinishReason | None = None
         self._error: str | None = None
         self._event = trio.Event()
@@ -57,6 +60,7 @@ class TokenSink:
         tokens: Sequence[int] = (),
         finish: FinishReason | None = None,
         error: str | None = None,
+        logprobs: Sequence[TokenLogprob] = (),
     ) -> bool:
         """Add tokens and/or the finish. False when the consumer has gone (the request is dead)."""
         if self.closed:
@@ -69,6 +73,7 @@ class TokenSink:
                 self.first_token_at = now
             self.last_token_at = now
             self._tokens.extend(tokens)
+            self._logprobs.extend(logprobs)
         if finish is not None:
             self._finish = finish
             self._error = error
@@ -85,8 +90,10 @@ class TokenSink:
             self._event = trio.Event()
             await self._event.wait()
         tokens, self._tokens = self._tokens, []
+        logprobs, self._logprobs = self._logprobs, []
         return SinkBatch(
             tokens=tokens,
+            logprobs=logprobs,
             finish=self._finish,
             error=self._error,
             first_token_at=self.first_token_at,
@@ -111,8 +118,13 @@ class RequestStream:
         prompt_tokens: int,
         submitted_at: float,
         on_done: Callable[[], None],
+        reasoning: ReasoningSplitter | None = None,
     ) -> None:
         self.request_id = request_id
+        self._reasoning = reasoning
+        self._reasoning_text = ""
+        self._want_logprobs = params.logprobs
+        self._logprobs: list[TokenLogprob] = []
         self._sink = sink
         self._detokenizer = IncrementalDetokenizer(decode)
         self._stop = StopMatcher(params.stop)
@@ -155,12 +167,29 @@ class RequestStream:
             finish = "stop" if stopped else batch.finish
         if not new_tokens and finish is None:
             return None
+        ended = finish is not None
         self._tokens.extend(new_tokens)
         delta = "".join(new_text)
+        new_reasoning = ""
+        if self._reasoning is not None:
+            new_reasoning, delta = self._reasoning.feed(delta)
+            if ended:
+                held_reasoning, held_content = self._reasoning.flush()
+                new_reasoning += held_reasoning
+                delta += held_content
+            self._reasoning_text += new_reasoning
         self._text += delta
+        new_logprobs: list[TokenLogprob] | None = None
+        if self._want_logprobs:
+            new_logprobs = batch.logprobs[: len(new_tokens)]
+            self._logprobs.extend(new_logprobs)
         output = GenerationOutput(
             text=self._text,
             new_text=delta,
+            reasoning=self._reasoning_text,
+            new_reasoning=new_reasoning,
+            logprobs=list(self._logprobs) if self._want_logprobs else None,
+            new_logprobs=new_logprobs,
             tokens=list(self._tokens),
             new_tokens=new_tokens,
             prompt_tokens=self._prompt_tokens,

@@ -39,7 +39,12 @@ async def serve_engine(
     use it to wrap the model). A model that cannot be loaded raises before `started`.
     """
     cfg = EngineConfig(model=model, **config)
-    runner = Runner(cfg.model, prefill_step_size=cfg.prefill_step_size, loader=loader)
+    runner = Runner(
+        cfg.model,
+        prefill_step_size=cfg.prefill_step_size,
+        max_kv_size=cfg.max_kv_size,
+        loader=loader,
+    )
     book = AdmissionBook(slots=1, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
     admission = AdmissionController(book, max_wait=cfg.max_wait)
     load_error: Exception | None = None

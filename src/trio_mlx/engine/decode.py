@@ -6,25 +6,40 @@ within one chunk or one token.
 
 The arithmetic mirrors `mlx_lm.generate_step` so that greedy output is identical token for token:
 all prompt tokens but the last go through the model in chunks, the last one alone produces the
-first logits, and each decode step queues the next token's computation (`mx.async_eval`) before
-reading the current one, so the device never waits on Python.
+first logits. Without logits processors each decode step queues the next token's computation
+(`mx.async_eval`) before reading the current one, so the device never waits on Python. While
+logits processors are active, steps run one at a time (a processor must see every token before
+it shapes the next); once every retiring processor has retired, pipelining resumes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from trio_mlx.engine.sampling import make_sampler
-from trio_mlx.types import SamplingParams
+from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
+from trio_mlx.types import SamplingParams, TokenLogprob
+
+
+class LogitsProcessor(Protocol):
+    """mlx-lm's processor protocol: `(tokens, logits) -> logits`, where `tokens` holds the whole
+    prompt and every token generated so far (shape (n,)) and `logits` has shape (1, vocab).
+
+    A processor may also have a boolean `is_retired` attribute; once it is true the processor is
+    no longer called for this sequence. Processors run on the runner thread.
+    """
+
+    def __call__(self, tokens: Any, logits: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
 class GenerationJob:
-    """What the runner needs to run one request: plain values only, safe to cross threads.
+    """What the runner needs to run one request. Plain values, except `logits_processors`
+    (callables that will run on the runner thread).
 
     `max_tokens` in `params` is already capped to what fits in the model's context.
     """
@@ -32,20 +47,37 @@ class GenerationJob:
     request_id: int
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
+    logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
 class StepResult:
     """What one step of one sequence produced.
 
-    `tokens` are new completion tokens (EOS never included). `finish` is `"stop"` (EOS) or
-    `"length"` (max_tokens) when the sequence is done, else None. `prefilled` counts the prompt
-    tokens processed by this step.
+    `tokens` are new completion tokens (EOS never included), with their `logprobs` when asked for.
+    `finish` is `"stop"` (EOS) or `"length"` (max_tokens) when the sequence is done, else None.
+    `prefilled` counts the prompt tokens processed by this step.
     """
 
     tokens: tuple[int, ...] = ()
     finish: str | None = None
     prefilled: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class _Pending:
+    """A token being computed, with its lazy logprob arrays."""
+
+    __slots__ = ("chosen", "ids", "token", "values")
+
+    def __init__(self, token: Any, chosen: Any = None, ids: Any = None, values: Any = None) -> None:
+        self.token = token
+        self.chosen = chosen
+        self.ids = ids
+        self.values = values
+
+    def arrays(self) -> list[Any]:
+        return [a for a in (self.token, self.chosen, self.ids, self.values) if a is not None]
 
 
 class ActiveSequence:
@@ -57,6 +89,9 @@ class ActiveSequence:
         model: Any,
         eos_token_ids: frozenset[int],
         prefill_step_size: int,
+        *,
+        vocab_size: int,
+        max_kv_size: int | None = None,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
@@ -64,17 +99,25 @@ class ActiveSequence:
         self._model = model
         self._eos = eos_token_ids
         self._prefill_step_size = max(1, prefill_step_size)
-        self._cache = make_prompt_cache(model)
-        self._sampler = make_sampler(job.params)
+        self._cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+        self._selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
+        self._processors: list[LogitsProcessor] = list(job.logits_processors)
+        self._history: Any = (
+            mx.array(job.prompt_tokens, dtype=mx.int32) if self._processors else None
+        )
         self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
         self._prompt_done = 0
-        self._current: Any = None  # the token being computed for the consumer, lazily
+        self._current: _Pending | None = None  # the token being computed for the consumer
         self.generated = 0
         self.finished = False
 
     @property
     def in_prefill(self) -> bool:
         return self._current is None and not self.finished
+
+    @property
+    def active_processors(self) -> int:
+        return len(self._processors)
 
     def step(self) -> StepResult:
         """Advance by one prefill chunk or one token. Raises whatever the model raises."""
@@ -93,21 +136,43 @@ class ActiveSequence:
             last = self._prompt[self._prompt_done :]
             self._prompt_done += len(last)
             self._current = self._forward(last)
-            mx.async_eval(self._current)
+            mx.async_eval(*self._current.arrays())
             return self._decode_one(prefilled=len(last))
         return self._decode_one(prefilled=0)
 
-    def _forward(self, tokens: Any) -> Any:
-        logits = self._model(tokens[None], cache=self._cache)
-        return self._sampler(logits[:, -1, :])
+    def _forward(self, tokens: Any) -> _Pending:
+        raw = self._model(tokens[None], cache=self._cache)[:, -1, :]
+        logits = raw
+        if self._processors:
+            for processor in self._processors:
+                logits = processor(self._history, logits)
+        if self._selector.adjusts_logits:
+            logits = self._selector.adjust(logits)
+        token = self._selector.choose(logits)
+        if self._processors:
+            self._history = mx.concatenate([self._history, token.astype(mx.int32)])
+        params = self.job.params
+        if not params.logprobs:
+            return _Pending(token)
+        chosen, ids, values = logprob_arrays(raw, token, params.top_logprobs)
+        return _Pending(token, chosen, ids, values)
 
     def _decode_one(self, prefilled: int) -> StepResult:
+        assert self._current is not None
+        current = self._current
         last_one = self.generated + 1 >= self.job.params.max_tokens
+        pipelined = not self._processors
         upcoming = None
-        if not last_one:
-            upcoming = self._forward(self._current)
-            mx.async_eval(upcoming)
-        token = int(self._current.item())
+        if pipelined and not last_one:
+            upcoming = self._forward(current.token)
+            mx.async_eval(*upcoming.arrays())
+        token = int(current.token.item())
+        logprobs = (_read_logprobs(token, current),) if current.chosen is not None else ()
+        if not pipelined:
+            self._processors = [p for p in self._processors if not getattr(p, "is_retired", False)]
+            if not last_one and token not in self._eos:
+                upcoming = self._forward(current.token)
+                mx.async_eval(*upcoming.arrays())
         self._current = upcoming
         if token in self._eos:
             self.finished = True
@@ -117,5 +182,15 @@ class ActiveSequence:
             mx.clear_cache()
         if last_one:
             self.finished = True
-            return StepResult(tokens=(token,), finish="length", prefilled=prefilled)
-        return StepResult(tokens=(token,), prefilled=prefilled)
+            return StepResult((token,), "length", prefilled, logprobs)
+        return StepResult((token,), None, prefilled, logprobs)
+
+
+def _read_logprobs(token: int, pending: _Pending) -> TokenLogprob:
+    chosen = float(pending.chosen.item())
+    top: Sequence[tuple[int, float]] = ()
+    if pending.ids is not None:
+        ids = pending.ids.reshape(-1).tolist()
+        values = pending.values.reshape(-1).tolist()
+        top = sorted(zip(ids, values, strict=True), key=lambda pair: -pair[1])
+    return TokenLogprob(token=token, logprob=chosen, top=tuple(top))

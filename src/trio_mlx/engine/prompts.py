@@ -18,8 +18,10 @@ def encode_text(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=add_special))
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int, *, param: str = "prompt") -> list[int]:
-    """The caller's token ids, validated against the vocabulary."""
+def check_token_ids(ids: object, vocab_size: int, *, param: str = "prompt") -> list[int]:
+    """The caller's token ids (a list or tuple of ints), validated against the vocabulary."""
+    if not isinstance(ids, list | tuple):
+        raise InvalidRequest(f"{param} must be a string or a list of token ids", param=param)
     out: list[int] = []
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:

@@ -1,44 +1,104 @@
-"""Token selection from a step's logits: greedy, temperature and nucleus (top-p) sampling.
+"""Token selection from a step's logits. Runs on the runner thread only.
 
-Each sequence owns its own PRNG key, split once per step, so a seeded request draws the same
+`TokenSelector` is one sequence's sampler: it adjusts the raw logits (logit bias, repetition,
+presence and frequency penalties), then picks a token greedily or by a seeded draw after
+temperature, top-k, top-p and min-p. Its penalty state is updated with the chosen token as a lazy
+MLX operation, so choosing never forces the device to synchronise and decode steps can be queued
+ahead. Each sequence owns its own PRNG key, split once per step, so a seeded request draws the same
 tokens whatever other requests run beside it and across restarts.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
 from trio_mlx.types import SamplingParams
 
-#: Takes the last position's logits, shape (1, vocab), returns the chosen token, shape (1,).
-Sampler = Callable[[Any], Any]
+_NEG_INF = float("-inf")
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
-    """The sampler for `params`: argmax at temperature 0, else a seeded categorical draw."""
-    if params.temperature == 0.0:
-        return _greedy
-    seed = params.seed if params.seed is not None else secrets.randbits(63)
-    state = {"key": mx.random.key(seed)}
-    inv_temp = 1.0 / params.temperature
-    top_p = params.top_p
+class TokenSelector:
+    """Chooses the next token for one sequence according to its `SamplingParams`."""
 
-    def sample(logits: Any) -> Any:
-        key, state["key"] = mx.random.split(state["key"])
-        scaled = logits.astype(mx.float32) * inv_temp
-        if top_p < 1.0:
-            scaled = _apply_top_p(scaled, top_p)
-        return mx.random.categorical(scaled, key=key)
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt: Sequence[int]) -> None:
+        self.params = params
+        self._vocab = vocab_size
+        self._bias: Any = None
+        if params.logit_bias:
+            bias = mx.zeros((vocab_size,), dtype=mx.float32)
+            ids = mx.array([t for t, _ in params.logit_bias], dtype=mx.uint32)
+            values = mx.array([b for _, b in params.logit_bias], dtype=mx.float32)
+            self._bias = bias.at[ids].add(values)
+        self._seen: Any = None  # prompt + output tokens, for the repetition penalty
+        if params.repetition_penalty != 1.0:
+            seen = mx.zeros((vocab_size,), dtype=mx.float32)
+            if prompt:
+                seen = seen.at[mx.array(list(prompt), dtype=mx.uint32)].add(1.0)
+            self._seen = seen
+        self._counts: Any = None  # output tokens only, for presence and frequency penalties
+        if params.presence_penalty or params.frequency_penalty:
+            self._counts = mx.zeros((vocab_size,), dtype=mx.float32)
+        self._key: Any = None
+        if params.temperature > 0.0:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            self._key = mx.random.key(seed)
 
-    return sample
+    @property
+    def adjusts_logits(self) -> bool:
+        return self._bias is not None or self._seen is not None or self._counts is not None
 
+    def adjust(self, logits: Any) -> Any:
+        """The logits after bias and penalties (shape (1, vocab), float32)."""
+        logits = logits.astype(mx.float32)
+        if logits.shape[-1] != self._vocab:
+            return logits
+        if self._bias is not None:
+            logits = logits + self._bias
+        if self._seen is not None:
+            penalty = self.params.repetition_penalty
+            penalised = mx.where(logits > 0, logits / penalty, logits * penalty)
+            logits = mx.where(self._seen > 0, penalised, logits)
+        if self._counts is not None:
+            logits = (
+                logits
+                - self.params.frequency_penalty * self._counts
+                - self.params.presence_penalty * (self._counts > 0).astype(mx.float32)
+            )
+        return logits
 
-def _greedy(logits: Any) -> Any:
-    return mx.argmax(logits, axis=-1)
+    def choose(self, logits: Any) -> Any:
+        """The chosen token (shape (1,), lazy) from adjusted logits; updates the penalty state."""
+        if self._key is None:
+            token = mx.argmax(logits, axis=-1)
+        else:
+            key, self._key = mx.random.split(self._key)
+            token = mx.random.categorical(self._filter(logits / self.params.temperature), key=key)
+        self.observe(token)
+        return token
+
+    def observe(self, token: Any) -> None:
+        """Record `token` (an MLX array of one id, possibly lazy) as generated."""
+        if self._seen is not None:
+            self._seen = self._seen.at[token].add(1.0)
+        if self._counts is not None:
+            self._counts = self._counts.at[token].add(1.0)
+
+    def _filter(self, logits: Any) -> Any:
+        params = self.params
+        if params.top_k and params.top_k < logits.shape[-1]:
+            kth = mx.sort(logits, axis=-1)[..., -params.top_k][..., None]
+            logits = mx.where(logits < kth, _NEG_INF, logits)
+        if params.top_p < 1.0:
+            logits = _apply_top_p(logits, params.top_p)
+        if params.min_p > 0.0:
+            probs = mx.softmax(logits, axis=-1)
+            floor = params.min_p * mx.max(probs, axis=-1, keepdims=True)
+            logits = mx.where(probs < floor, _NEG_INF, logits)
+        return logits
 
 
 def _apply_top_p(logits: Any, top_p: float) -> Any:
@@ -51,4 +111,16 @@ def _apply_top_p(logits: Any, top_p: float) -> Any:
     keep_sorted = mass_before < top_p
     inverse = mx.argsort(order, axis=-1)
     keep = mx.take_along_axis(keep_sorted, inverse, axis=-1)
-    return mx.where(keep, logits, mx.array(-mx.inf, dtype=logits.dtype))
+    return mx.where(keep, logits, _NEG_INF)
+
+
+def logprob_arrays(raw_logits: Any, token: Any, top: int) -> tuple[Any, Any, Any]:
+    """Lazy arrays for a step's logprobs: the chosen token's, and the `top` best (ids, values)."""
+    logprobs = raw_logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    if top <= 0:
+        return chosen, None, None
+    ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[..., :top]
+    values = mx.take_along_axis(logprobs, ids, axis=-1)
+    return chosen, ids, values

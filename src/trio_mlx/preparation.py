@@ -1,0 +1,229 @@
+"""Stage one of a request: from what a caller asked for to a validated `PreparedRequest`.
+
+Tokenizes the prompt (text, token ids, or chat messages through the chat template), validates
+every sampling option (`InvalidRequest` names the parameter), checks the prompt against the
+model's context (`PromptTooLong`), caps `max_tokens` to the room left, and sets up the logits
+processors (the caller's, plus the thinking budget) and reasoning separation. Tokenizer work only:
+no MLX, runs on the Trio thread, nothing is admitted or generated yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from trio_mlx.engine.decode import LogitsProcessor
+from trio_mlx.engine.prompts import check_token_ids, encode_chat, encode_text
+from trio_mlx.engine.thinking import ThinkingBudget
+from trio_mlx.errors import InvalidRequest, PromptTooLong
+from trio_mlx.types import SamplingParams
+
+DEFAULT_THINK_TAGS = ("<think>", "</think>")
+
+
+class SamplingOptions(TypedDict, total=False):
+    """Keyword options every generation call accepts besides max_tokens/temperature/top_p/stop.
+
+    `logits_processors` run on the runner thread (mlx-lm's `(tokens, logits) -> logits`
+    protocol; an `is_retired` attribute lets one drop out). `reasoning`: separate `<think>…`
+    into `GenerationOutput.reasoning` (None: when the tokenizer has thinking tags).
+    `thinking_token_budget`: at most this many thinking tokens, then the think-end is forced.
+    """
+
+    seed: int | None
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: Mapping[int | str, float] | None
+    logprobs: bool
+    top_logprobs: int
+    logits_processors: Sequence[LogitsProcessor]
+    reasoning: bool | None
+    thinking_token_budget: int | None
+
+
+@dataclass(frozen=True)
+class ReasoningTags:
+    """How to separate thinking from the answer: the tags, and whether the prompt opened it."""
+
+    start: str
+    end: str
+    open_in_prompt: bool
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request: its prompt as token ids and everything about how to continue it.
+
+    `params.max_tokens` is already capped to the room the context leaves after the prompt.
+    Logits processors carry state: prepare a request again rather than running it twice.
+    """
+
+    prompt_tokens: tuple[int, ...]
+    params: SamplingParams
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+    reasoning: ReasoningTags | None = None
+
+
+class RequestPreparer:
+    """Prepares requests for one model (its tokenizer, vocabulary and context)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        vocab_size: int,
+        context_length: int,
+        default_max_tokens: int,
+        max_tokens_limit: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.default_max_tokens = default_max_tokens
+        self.max_tokens_limit = max_tokens_limit
+
+    def text(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None,
+        temperature: float,
+        top_p: float,
+        stop: str | Sequence[str] | None,
+        options: SamplingOptions,
+    ) -> PreparedRequest:
+        if isinstance(prompt, str):
+            tokens = encode_text(self.tokenizer, prompt)
+        else:
+            tokens = check_token_ids(prompt, self.vocab_size)
+        return self._prepare(tokens, "prompt", max_tokens, temperature, top_p, stop, options)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None,
+        temperature: float,
+        top_p: float,
+        stop: str | Sequence[str] | None,
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+        options: SamplingOptions,
+    ) -> PreparedRequest:
+        tokens = encode_chat(
+            self.tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+        )
+        return self._prepare(tokens, "messages", max_tokens, temperature, top_p, stop, options)
+
+    def _prepare(
+        self,
+        tokens: list[int],
+        prompt_param: str,
+        max_tokens: int | None,
+        temperature: float,
+        top_p: float,
+        stop: str | Sequence[str] | None,
+        options: SamplingOptions,
+    ) -> PreparedRequest:
+        unknown = set(options) - set(SamplingOptions.__annotations__)
+        if unknown:
+            raise TypeError(f"unknown generation options: {sorted(unknown)}")
+        stops_ok = isinstance(stop, str | None) or (
+            isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop)
+        )
+        if not stops_ok:
+            raise InvalidRequest("stop must be a string or a list of strings", param="stop")
+        requested = self._max_tokens(max_tokens)
+        params = SamplingParams(
+            max_tokens=requested,
+            temperature=temperature,
+            top_p=top_p,
+            stop=SamplingParams.normalize_stop(stop),
+            seed=options.get("seed"),
+            top_k=options.get("top_k", 0),
+            min_p=options.get("min_p", 0.0),
+            repetition_penalty=options.get("repetition_penalty", 1.0),
+            presence_penalty=options.get("presence_penalty", 0.0),
+            frequency_penalty=options.get("frequency_penalty", 0.0),
+            logit_bias=SamplingParams.normalize_logit_bias(options.get("logit_bias")),
+            logprobs=options.get("logprobs", False),
+            top_logprobs=options.get("top_logprobs", 0),
+        )
+        for token, _ in params.logit_bias:
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias names token {token}, outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})",
+                    param="logit_bias",
+                )
+        if not tokens:
+            raise PromptTooLong("the prompt is empty", param=prompt_param)
+        room = self.context_length - len(tokens)
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt has {len(tokens)} tokens; this model's context is "
+                f"{self.context_length} tokens, which leaves no room for a completion",
+                param=prompt_param,
+            )
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room)
+        processors = list(options.get("logits_processors", ()))
+        reasoning = self._reasoning_tags(tokens, options.get("reasoning"))
+        budget = options.get("thinking_token_budget")
+        if budget is not None:
+            processors.append(self._thinking_budget(budget, tokens, reasoning))
+        return PreparedRequest(
+            prompt_tokens=tuple(tokens),
+            params=params,
+            logits_processors=tuple(processors),
+            reasoning=reasoning,
+        )
+
+    def _max_tokens(self, max_tokens: int | None) -> int:
+        limit = self.max_tokens_limit
+        if max_tokens is None:
+            default = self.default_max_tokens
+            return min(default, limit) if limit is not None else default
+        if limit is not None and isinstance(max_tokens, int) and max_tokens > limit:
+            raise InvalidRequest(
+                f"max_tokens is {max_tokens}; this server allows at most {limit}",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    def _think_tags(self) -> tuple[str, str] | None:
+        tok = self.tokenizer
+        if getattr(tok, "has_thinking", False) and tok.think_start and tok.think_end:
+            return str(tok.think_start), str(tok.think_end)
+        return None
+
+    def _reasoning_tags(self, tokens: list[int], wanted: bool | None) -> ReasoningTags | None:
+        tags = self._think_tags()
+        if wanted is False or (wanted is None and tags is None):
+            return None
+        start, end = tags or DEFAULT_THINK_TAGS
+        tail = self.tokenizer.decode(tokens[-32:])
+        return ReasoningTags(start, end, open_in_prompt=tail.rfind(start) > tail.rfind(end))
+
+    def _thinking_budget(
+        self, budget: int, tokens: list[int], reasoning: ReasoningTags | None
+    ) -> ThinkingBudget:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise InvalidRequest(
+                "thinking_token_budget must be a non-negative integer",
+                param="thinking_token_budget",
+            )
+        tags = reasoning or self._reasoning_tags(tokens, True)
+        assert tags is not None
+        return ThinkingBudget(
+            budget,
+            self.tokenizer.encode(tags.start, add_special_tokens=False),
+            self.tokenizer.encode(tags.end, add_special_tokens=False),
+            prompt_length=len(tokens),
+            open_in_prompt=tags.open_in_prompt,
+        )
