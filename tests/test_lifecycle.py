@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -115,3 +116,30 @@ async def test_a_model_fault_mid_decode_ends_the_stream_with_an_error(tiny_model
         assert 0 < outputs[-1].completion_tokens < 50
         short = await engine.generate([1, 2, 3], max_tokens=3)
         assert short.completion_tokens == 3
+
+
+async def test_a_dead_runner_thread_fails_requests_and_the_engine_says_so(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_mlx.actors.runner import Runner
+
+    original = Runner._take_commands
+    calls = {"n": 0}
+
+    def dying(self: Runner, live: Any, loaded: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the runner loop itself broke")
+        return original(self, live, loaded)
+
+    monkeypatch.setattr(Runner, "_take_commands", dying)
+    with pytest.raises(trio_mlx.EngineCrashed, match="the runner loop itself broke"):
+        async with trio_mlx.open_engine(tiny_model_dir) as engine:
+            outputs = [o async for o in engine.stream_generate(PROMPT, max_tokens=50)]
+            assert outputs[-1].finish_reason == "error"
+            assert "crashed" in (outputs[-1].error or "")
+            assert not engine.is_alive
+            assert engine.get_stats()["alive"] is False
+            with pytest.raises(trio_mlx.EngineCrashed):
+                await engine.generate(PROMPT, max_tokens=2)
+    assert runner_threads() == []
