@@ -117,7 +117,10 @@ async def main(args: argparse.Namespace) -> None:
     )
     prompt = [100 + (i * 37) % 40000 for i in range(args.prompt)]
     rows = []
-    async with trio_mlx.open_engine(path, loader=no_eos_loader) as engine:
+    interval = None if args.gil_switch_interval <= 0 else args.gil_switch_interval
+    async with trio_mlx.open_engine(
+        path, loader=no_eos_loader, gil_switch_interval=interval
+    ) as engine:
         raw_model = no_eos_loader(path).model
         raw_run(raw_model, prompt, 16)  # warm both
         await engine_run(engine, prompt, 16)
@@ -163,6 +166,7 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gil-switch-interval", type=float, default=0.0005, help="0: leave it")
     parser.add_argument("--workdir", default="/tmp/trio-mlx-bench")
     parser.add_argument("--tokenizer-dir", required=True)
     sys.exit(trio.run(main, parser.parse_args()))

@@ -22,6 +22,9 @@ class EngineConfig:
     - `max_tokens_limit`: a server-wide cap; a request asking for more is refused.
     - `max_kv_size`: bound each sequence's KV cache to this many tokens (a rotating cache that
       keeps the first tokens and the most recent ones), for long generations in bounded memory.
+    - `gil_switch_interval`: while the engine runs, lower `sys.setswitchinterval` to this (seconds)
+      so that tokens reach the event loop without waiting for the runner thread's GIL slice;
+      None leaves the interpreter's setting alone.
     """
 
     model: str | Path | None = None
@@ -32,6 +35,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None
     max_kv_size: int | None = None
+    gil_switch_interval: float | None = 0.0005
 
     @property
     def admission_mode(self) -> AdmissionMode:

