@@ -291,6 +291,12 @@ def _decode_q4_k(raw: np.ndarray) -> np.ndarray:
     return values
 
 
+def encode_q5_0_placeholder(w: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """Zero-filled Q5_0 blocks (22 bytes per 32 values): a type trio-mlx refuses, so only its
+    size matters."""
+    return bytes(w.size // 32 * 22), np.full(w.shape, np.nan, dtype=np.float32)
+
+
 ENCODERS = {
     F32: encode_f32,
     F16: encode_f16,
@@ -300,6 +306,7 @@ ENCODERS = {
     Q8_0: encode_q8_0,
     Q6_K: encode_q6_k,
     Q4_K: encode_q4_k,
+    Q5_0: encode_q5_0_placeholder,
 }
 
 
@@ -376,6 +383,7 @@ def write_tiny_llama(
     extra_metadata: Mapping[str, Any] | None = None,
     extra_tensors: Sequence[Tensor] = (),
     omit: Sequence[str] = (),
+    alignment: int = 32,
     seed: int = 0,
 ) -> TinyLlama:
     """Write a random llama as llama.cpp's converter would (q/k rows permuted unless `permute` is
@@ -455,8 +463,10 @@ def write_tiny_llama(
         **tokenizer_metadata(),
         **(extra_metadata or {}),
     }
+    if alignment != 32:
+        metadata["general.alignment"] = alignment
     tensors = [t for t in tensors if t.name not in omit] + list(extra_tensors)
-    write_gguf(path, metadata, tensors)
+    write_gguf(path, metadata, tensors, alignment=alignment)
     return TinyLlama(path, config, weights)
 
 

@@ -40,7 +40,7 @@ TYPES = {
     "Q6_K": gw.Q6_K,
 }
 #: Super-block types need rows of 256 values.
-K_QUANT_SIZES = {"hidden": 256, "ffn": 256}
+K_QUANT_SIZES: dict[str, Any] = {"hidden": 256, "ffn": 256}
 
 
 @pytest.fixture(autouse=True)
@@ -248,6 +248,60 @@ def test_the_converted_directory_loads_with_its_tokenizer_and_chat_template(
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+# --- the header reader --------------------------------------------------------------------------
+
+
+def test_the_reader_returns_every_metadata_value_type_as_plain_python(tmp_path: Path) -> None:
+    metadata = {
+        "u8": gw.Typed(gw.UINT8, 200),
+        "i8": gw.Typed(gw.INT8, -5),
+        "u16": gw.Typed(gw.UINT16, 60000),
+        "i16": gw.Typed(gw.INT16, -300),
+        "u32": gw.Typed(gw.UINT32, 4_000_000_000),
+        "i32": gw.Typed(gw.INT32, -7),
+        "u64": gw.Typed(gw.UINT64, 2**40),
+        "i64": gw.Typed(gw.INT64, -(2**40)),
+        "f32": gw.Typed(gw.FLOAT32, 1e-5),
+        "f64": gw.Typed(gw.FLOAT64, 0.1),
+        "flag": gw.Typed(gw.BOOL, True),
+        "text": "héllo",
+        "words": ["a", "", "ü"],
+        "floats": gw.Typed(gw.FLOAT32, [0.5, 2.0], array=True),
+        "longs": gw.Typed(gw.UINT64, [1, 2**40], array=True),
+    }
+    path = gw.write_gguf(tmp_path / "meta.gguf", metadata, [])
+    assert read_gguf_header(path).metadata == {
+        "u8": 200,
+        "i8": -5,
+        "u16": 60000,
+        "i16": -300,
+        "u32": 4_000_000_000,
+        "i32": -7,
+        "u64": 2**40,
+        "i64": -(2**40),
+        "f32": 1e-5,
+        "f64": 0.1,
+        "flag": True,
+        "text": "héllo",
+        "words": ["a", "", "ü"],
+        "floats": [0.5, 2.0],
+        "longs": [1, 2**40],
+    }
+
+
+def test_the_reader_gives_shapes_outermost_first_and_absolute_offsets(tmp_path: Path) -> None:
+    tensors = [
+        gw.Tensor("a", gw.F32, (3, 5), bytes(60)),
+        gw.Tensor("b", gw.Q8_0, (2, 64), bytes(2 * 2 * 34)),
+    ]
+    header = read_gguf_header(gw.write_gguf(tmp_path / "t.gguf", {}, tensors))
+    a, b = header.tensors["a"], header.tensors["b"]
+    assert (a.shape, a.ggml_type.name, a.nbytes) == ((3, 5), "F32", 60)
+    assert (b.shape, b.ggml_type.name, b.nbytes) == ((2, 64), "Q8_0", 136)
+    assert a.offset == header.data_offset
+    assert b.offset == header.data_offset + 64  # 60 bytes, padded to the alignment of 32
+
+
 # --- refusals and corrupt files -----------------------------------------------------------------
 
 
@@ -336,16 +390,14 @@ def test_an_unsupported_architecture_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_unsupported_tensor_type_is_refused_naming_the_tensor(tmp_path: Path) -> None:
-    tiny = gw.write_tiny_llama(tmp_path / "q5.gguf", matrix_type=gw.Q4_0)
-    data = bytearray(tiny.path.read_bytes())
-    # Relabel one Q4_0 tensor as Q5_0 (a type trio-mlx does not load) and give it room.
-    header = read_gguf_header(tiny.path)
-    name = b"blk.1.ffn_up.weight"
-    at = data.index(name) + len(name) + 4 + 16  # after n_dims and two dims
-    data[at : at + 4] = struct.pack("<I", gw.Q5_0)
-    tiny.path.write_bytes(bytes(data) + b"\0" * 4096)
-    assert header.tensors["blk.1.ffn_up.weight"].ggml_type.name == "Q4_0"
+    tiny = gw.write_tiny_llama(tmp_path / "q5.gguf", types={"blk.1.ffn_up": gw.Q5_0})
     assert_refused(tiny.path, tmp_path / "out", "blk.1.ffn_up.weight (Q5_0)", "supported:")
+
+
+def test_a_non_default_alignment_is_honoured(tmp_path: Path) -> None:
+    tiny = gw.write_tiny_llama(tmp_path / "tiny.gguf", matrix_type=gw.Q8_0, alignment=256)
+    out = convert_gguf(tiny.path, tmp_path / "out")
+    assert_same_logits(converted_logits(out), reference_logits(tiny), exact=False)
 
 
 def test_an_unknown_tensor_is_refused(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ How tensors come across:
 - Q4_K (as in the common Q4_K_M files) is repacked losslessly into MLX's 4-bit, group-32 layout
   (see `gguf_quants`).
 - F32, F16 and BF16 stay dense in their own dtype.
-- Q6_K is dequantized to float16 by MLX's loader: exact values, but dense (about 2.7 times its
-  GGUF size in memory).
+- Q6_K is dequantized to float16 by MLX's loader (its groups of 16 have no MLX quantized form):
+  exact values, but dense, about 2.4 times its GGUF size in memory.
 - Every other type is refused with a `ModelLoadError` naming the tensor and its type.
 
 llama.cpp's converter reorders the rows of `attn_q` / `attn_k` within each head (it interleaves the
@@ -24,11 +24,13 @@ Conversion is atomic: everything is written into a hidden sibling directory whic
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ from trio_mlx.engine.gguf_quants import bf16_array, q4_k_to_mlx
 from trio_mlx.engine.gguf_reader import GGUFHeader, TensorInfo, read_gguf_header, read_tensor_bytes
 from trio_mlx.engine.gguf_tokenizer import write_tokenizer_files
 from trio_mlx.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 #: GGML types kept quantized, and their MLX affine (bits, group size).
 _KEPT_QUANTIZED: Mapping[str, tuple[int, int]] = {
@@ -93,6 +97,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     any failure nothing is left at `out_dir`.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    started = time.monotonic()
+    header = read_gguf_header(gguf_path)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ModelLoadError(f"{out_dir}: already exists and is not an empty directory")
     try:
@@ -102,7 +108,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     except OSError as exc:
         raise ModelLoadError(f"{out_dir}: cannot create: {exc.strerror or exc}") from exc
     try:
-        write_model_files(gguf_path, staging)
+        _write_model_files(header, staging)
         os.replace(staging, out_dir)  # atomic; replaces only an empty directory
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
@@ -110,13 +116,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    log.info("converted %s into %s in %.1f s", gguf_path, out_dir, time.monotonic() - started)
     return out_dir
 
 
-def write_model_files(gguf_path: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files for `gguf_path` into the
-    existing directory `out_dir` (not atomic: `convert_gguf` is the atomic form)."""
-    header = read_gguf_header(gguf_path)
+def _write_model_files(header: GGUFHeader, out_dir: Path) -> None:
+    """Write config.json, model.safetensors and the tokenizer files into `out_dir`."""
+    gguf_path = header.path
     architecture = header.metadata.get("general.architecture")
     if architecture != "llama":
         raise ModelLoadError(
@@ -131,8 +137,8 @@ def write_model_files(gguf_path: Path, out_dir: Path) -> None:
     try:
         mx.save_safetensors(str(out_dir / _WEIGHTS_FILE), weights, metadata={"format": "mlx"})
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    except OSError as exc:
-        raise ModelLoadError(f"{out_dir}: cannot write: {exc.strerror or exc}") from exc
+    except (OSError, RuntimeError) as exc:  # MLX reports a failed write as RuntimeError
+        raise ModelLoadError(f"{out_dir}: cannot write: {exc}") from exc
     write_tokenizer_files(header.metadata, out_dir, source=str(gguf_path))
 
 

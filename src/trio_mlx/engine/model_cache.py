@@ -63,15 +63,13 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     if (entry / "config.json").is_file():
         return entry
     _remove_stale_partials(root)
-    log.info("converting %s into %s (once; later runs reuse it)", gguf_path, entry)
-    started = time.monotonic()
+    log.info("converting %s into trio-mlx's cache (once; later runs reuse it)", gguf_path)
     try:
         convert_gguf(gguf_path, entry)
     except ModelLoadError:
         if (entry / "config.json").is_file():  # another process converted it meanwhile
             return entry
         raise
-    log.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - started)
     return entry
 
 
