@@ -51,7 +51,7 @@ async def _generate(args: argparse.Namespace) -> None:
             sys.stdout.flush()
             final = out
         sys.stdout.write("\n")
-        if final is not None and args.verbose:
+        if final is not None and getattr(args, "verbose", False):
             ttft = final.time_to_first_token or 0.0
             print(
                 f"[{final.prompt_tokens} prompt tokens, {final.completion_tokens} completion "
@@ -68,24 +68,59 @@ def _convert(args: argparse.Namespace) -> None:
     print(f"converted {args.gguf} -> {out}")
 
 
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="model spec (default: SmolLM2)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="a name clients may use for the model (repeatable; the first is listed first)",
+    )
+    parser.add_argument("--admission", choices=["fail-fast", "wait"], default=None)
+    parser.add_argument("--max-waiting", type=int, default=0, help="queue length in wait mode")
+    parser.add_argument("--max-wait", type=float, default=30.0, help="seconds a request may wait")
+    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument("--max-tokens", type=int, default=None, help="server-wide cap")
+    parser.add_argument("--default-max-tokens", type=int, default=256)
+    parser.add_argument("--max-kv-size", type=int, default=None)
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight streams may finish after SIGINT/SIGTERM before they are aborted",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trio-mlx", description=__doc__.split("\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more"
+    )
+    parser = argparse.ArgumentParser(
+        prog="trio-mlx", description=__doc__.split("\n")[0], parents=[common]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    from trio_mlx.http.server import add_serve_arguments
+    serve = commands.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server", parents=[common]
+    )
+    _add_serve_arguments(serve)
 
-    add_serve_arguments(serve)
-
-    generate = commands.add_parser("generate", help="stream one completion to the terminal")
+    generate = commands.add_parser(
+        "generate", help="stream one completion to the terminal", parents=[common]
+    )
     generate.add_argument("prompt")
     generate.add_argument("--model", default=None, help="model spec (default: bundled SmolLM2)")
     generate.add_argument("--chat", action="store_true", help="send PROMPT as a user message")
     generate.add_argument("--prefill-step-size", type=int, default=2048)
     _add_sampling_arguments(generate)
 
-    convert = commands.add_parser("convert", help="convert a GGUF file to an mlx-lm directory")
+    convert = commands.add_parser(
+        "convert", help="convert a GGUF file to an mlx-lm directory", parents=[common]
+    )
     convert.add_argument("gguf")
     convert.add_argument("out_dir")
     return parser
@@ -96,14 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         if args.command == "serve":
             from trio_mlx.http.server import run_serve
 
-            return run_serve(args)
+            return int(run_serve(args))
         if args.command == "generate":
             trio.run(_generate, args)
         elif args.command == "convert":
