@@ -15,6 +15,21 @@ import trio_mlx
 from tiny_model import build_tiny_model
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help="run the reliability suite at full size (minutes) instead of its bounded CI form",
+    )
+
+
+@pytest.fixture(scope="session")
+def long_run(request: pytest.FixtureRequest) -> bool:
+    """True under `--long`: reliability tests scale their counts up."""
+    return bool(request.config.getoption("--long"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")

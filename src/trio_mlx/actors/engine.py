@@ -337,6 +337,7 @@ class Engine:
                 "prompt_tokens": counters.prompt_tokens,
                 "generated_tokens": counters.generated_tokens,
                 "live_sequences": counters.live,
+                "requests_in_flight": self._runner.in_flight,
                 "started": counters.started,
                 "aborted": counters.aborted,
                 "failed": counters.failed,

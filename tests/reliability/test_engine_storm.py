@@ -1,0 +1,106 @@
+"""Abandonment storms against the engine API: many requests given up at random points (while
+queued, during prefill, during decode). Afterwards nothing is held: no running or waiting request,
+no live sequence, no request the runner still delivers to, one runner thread, MLX memory back to
+where it was, and the next request is served at once.
+
+Bounded for CI; `pytest --long` multiplies the counts. Every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+import trio
+
+import trio_mlx
+from trio_mlx.actors.runner import RUNNER_THREAD_NAME
+
+
+def assert_nothing_held(engine: trio_mlx.Engine) -> None:
+    stats = engine.get_stats()
+    assert stats["running"] == 0
+    assert stats["waiting"] == 0
+    assert stats["runner"]["live_sequences"] == 0
+    assert stats["runner"]["requests_in_flight"] == 0
+    assert [t.name for t in threading.enumerate()].count(RUNNER_THREAD_NAME) == 1
+
+
+async def wait_idle(engine: trio_mlx.Engine) -> None:
+    with trio.fail_after(30):
+        while engine.get_stats()["runner"]["live_sequences"]:  # noqa: ASYNC110
+            await trio.sleep(0.005)
+
+
+@pytest.mark.parametrize("admission", ["fail-fast", "wait"])
+async def test_an_abandonment_storm_leaves_nothing_behind(
+    tiny_model_dir: Path, long_run: bool, admission: str
+) -> None:
+    requests = 400 if long_run else 40
+    rng = random.Random(1234)
+    outcomes: dict[str, int] = {}
+    refusals: list[int] = []
+    config = {"max_waiting": requests, "max_wait": 60.0} if admission == "wait" else {}
+    async with trio_mlx.open_engine(tiny_model_dir, prefill_step_size=8, **config) as engine:
+        await engine.generate("warm up", max_tokens=4)
+        mx.clear_cache()
+        memory_before = mx.get_active_memory()
+
+        def count(outcome: str) -> None:
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        async def client() -> None:
+            # A refused client retries after a pause, as the openai client does (bounded).
+            for _attempt in range(100):
+                try:
+                    return await attempt()
+                except trio_mlx.EngineBusy:
+                    refusals.append(1)
+                    await trio.sleep(0.01 * rng.random())
+            count("refused")
+
+        async def attempt() -> None:
+            where = rng.choice(["queue", "prefill", "decode", "finish"])
+            prompt = list(range(300, 300 + rng.randint(20, 200)))
+            request = engine.prepare_generate(prompt, max_tokens=rng.randint(5, 60))
+            queue_patience = 0.001 * rng.random() if where == "queue" else 120.0
+            with trio.move_on_after(queue_patience) as waited:
+                async with engine.open_stream(request) as stream:
+                    # Admitted: now give up at this client's chosen point.
+                    with trio.move_on_after(
+                        0.003 * rng.random() if where == "prefill" else 120.0
+                    ) as prefill:
+                        outputs = 0
+                        async for _ in stream:
+                            outputs += 1
+                            if where == "decode" and outputs >= rng.randint(1, 5):
+                                break
+                    count(
+                        "abandoned" if prefill.cancelled_caught or where == "decode" else "finished"
+                    )
+            if waited.cancelled_caught:
+                count("gave up waiting")
+
+        with trio.fail_after(600 if long_run else 120):
+            async with trio.open_nursery() as nursery:
+                for i in range(requests):
+                    nursery.start_soon(client)
+                    if i % 7 == 0:
+                        await trio.sleep(0.001 * rng.random())
+        await wait_idle(engine)
+        assert sum(outcomes.values()) == requests
+        stats = engine.get_stats()
+        # The storm did abandon requests while they were running, not only before admission.
+        assert stats["runner"]["aborted"] > 0 and outcomes.get("abandoned", 0) > 0
+        assert_nothing_held(engine)
+        out = await engine.generate("after the storm", max_tokens=5, temperature=0.0)
+        assert out.completion_tokens == 5
+        assert_nothing_held(engine)
+        mx.clear_cache()
+        # No KV cache or array outlives its request (a few MB of slack for MLX's own buffers).
+        assert mx.get_active_memory() <= memory_before + 4 * 2**20
+    if admission == "fail-fast":
+        assert refusals
