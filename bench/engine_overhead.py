@@ -88,27 +88,31 @@ def no_eos_loader(spec: object) -> LoadedModel:
     return dataclasses.replace(load_model(spec), eos_token_ids=frozenset())  # type: ignore[arg-type]
 
 
-def raw_run(model: object, prompt: list[int], n: int) -> tuple[float, float]:
+def raw_run(model: object, prompt: list[int], n: int) -> tuple[float, float, list[int]]:
     start = time.perf_counter()
     first = last = 0.0
-    for i, _ in enumerate(generate_step(mx.array(prompt), model, max_tokens=n)):
+    tokens = []
+    for i, (token, _) in enumerate(generate_step(mx.array(prompt), model, max_tokens=n)):
         last = time.perf_counter()
+        tokens.append(token)
         if i == 0:
             first = last
-    return first - start, (n - 1) / (last - first)
+    return first - start, (n - 1) / (last - first), tokens
 
 
-async def engine_run(engine: trio_mlx.Engine, prompt: list[int], n: int) -> tuple[float, float]:
+async def engine_run(
+    engine: trio_mlx.Engine, prompt: list[int], n: int
+) -> tuple[float, float, list[int]]:
     start = time.perf_counter()
     first = last = 0.0
-    count = 0
+    tokens: list[int] = []
     async for out in engine.stream_generate(prompt, max_tokens=n, temperature=0.0):
         last = time.perf_counter()
-        if count == 0:
+        if not tokens:
             first = last
-        count += len(out.new_tokens)
-    assert count == n, count
-    return first - start, (n - 1) / (last - first)
+        tokens.extend(out.new_tokens)
+    assert len(tokens) == n, len(tokens)
+    return first - start, (n - 1) / (last - first), tokens
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -127,6 +131,8 @@ async def main(args: argparse.Namespace) -> None:
         for r in range(args.repeats):
             raw = raw_run(raw_model, prompt, args.tokens)
             eng = await engine_run(engine, prompt, args.tokens)
+            # Same greedy tokens on both sides (a check of the engine on this device too).
+            same = sum(a == b for a, b in zip(raw[2], eng[2], strict=True))
             rows.append(
                 {
                     "repeat": r,
@@ -135,6 +141,7 @@ async def main(args: argparse.Namespace) -> None:
                     "engine_ttft_ms": eng[0] * 1e3,
                     "engine_tps": eng[1],
                     "ratio": eng[1] / raw[1],
+                    "tokens_equal": f"{same}/{len(raw[2])}",
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
