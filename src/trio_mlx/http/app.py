@@ -1,0 +1,255 @@
+"""The quart-trio application: routes, body parsing, and errors in the OpenAI shape.
+
+Every response that is not a success is `{"error": {"message", "type", "param", "code"}}`:
+unknown routes (404), wrong methods (405), bodies over `max_body_bytes` (413), non-JSON content
+types (415), malformed JSON and validation failures (400 with `param`), unknown models (404),
+admission refusals (429 with `Retry-After`), a model still loading or a dead engine (503), and
+anything unexpected (500, logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from quart import Response, request, websocket
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
+
+from trio_mlx.http.access_log import AccessLog, record_of
+from trio_mlx.http.chat import chat_completions
+from trio_mlx.http.completions import completions
+from trio_mlx.http.errors import (
+    INVALID_REQUEST,
+    NOT_FOUND,
+    SERVER_ERROR,
+    APIError,
+    error_body,
+    from_validation_error,
+)
+from trio_mlx.http.generation import SSE_HEADERS, sse_event
+from trio_mlx.http.objects import Health, ModelCard, ModelList
+from trio_mlx.http.openapi import openapi_document
+from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from trio_mlx.http.responses import start_response
+from trio_mlx.http.state import ServerState
+
+log = logging.getLogger("trio_mlx.http")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def create_app(state: ServerState) -> QuartTrio:
+    """The app for one server. `state.engine` may still be None (the model is loading)."""
+    app = QuartTrio("trio_mlx")
+    app.config.update(
+        MAX_CONTENT_LENGTH=state.settings.max_body_bytes,
+        RESPONSE_TIMEOUT=None,  # streams last as long as generation does
+        BODY_TIMEOUT=60,
+        PROVIDE_AUTOMATIC_OPTIONS=True,
+    )
+    app.asgi_app = AccessLog(app.asgi_app)  # type: ignore[method-assign,assignment]
+    _routes(app, state)
+    _error_handlers(app)
+    return app
+
+
+def _json(
+    payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        json.dumps(payload, separators=(",", ":")),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+def _event_stream(chunks: AsyncIterator[bytes]) -> Response:
+    response = Response(chunks, content_type="text/event-stream", headers=SSE_HEADERS)
+    response.timeout = None
+    return response
+
+
+async def read_body(model: type[M]) -> M:
+    """The request's JSON body validated as `model`."""
+    content_type = request.headers.get("Content-Type", "")
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(
+            415,
+            f"the body must be JSON (Content-Type: application/json), not {media!r}",
+            code="unsupported_media_type",
+        )
+    raw = await request.get_data()
+    try:
+        payload = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _routes(app: QuartTrio, state: ServerState) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat_route() -> Response:
+        body = await read_body(ChatCompletionRequest)
+        result = await chat_completions(state, body, record_of(request.scope))
+        return _json(result) if isinstance(result, dict) else _event_stream(result)
+
+    @app.post("/v1/completions")
+    async def completions_route() -> Response:
+        body = await read_body(CompletionRequest)
+        result = await completions(state, body, record_of(request.scope))
+        return _json(result) if isinstance(result, dict) else _event_stream(result)
+
+    @app.post("/v1/responses")
+    async def responses_route() -> Response:
+        body = await read_body(ResponsesRequest)
+        run = await start_response(state, body, record_of(request.scope))
+        if not body.stream:
+            return _json(await run.final())
+
+        async def frames() -> AsyncIterator[bytes]:
+            async for event in run.events():
+                yield sse_event(event["type"], event)
+
+        return _event_stream(frames())
+
+    @app.websocket("/v1/responses")
+    async def responses_socket() -> None:
+        await websocket.accept()
+        record = record_of(websocket.scope)
+        while True:
+            message = await websocket.receive()
+            try:
+                body = _socket_request(message)
+                run = await start_response(state, body, record)
+            except APIError as exc:
+                await websocket.send(json.dumps(_socket_error(exc)))
+                continue
+            async for event in run.events():
+                await websocket.send(json.dumps(event, separators=(",", ":")))
+
+    @app.get("/v1/models")
+    async def models_route() -> Response:
+        state.engine_for(None)
+        cards = [ModelCard(id=name, created=state.created) for name in state.model_names]
+        return _json(ModelList(data=cards).dump())
+
+    @app.get("/v1/models/<path:name>")
+    async def model_route(name: str) -> Response:
+        state.engine_for(name)
+        return _json(ModelCard(id=name, created=state.created).dump())
+
+    @app.get("/health")
+    async def health_route() -> Response:
+        phase = state.phase
+        health = Health(
+            status="ok" if phase == "ready" else phase,
+            model=state.model_names[0] if state.engine is not None else None,
+            detail=None if state.load_error is None else str(state.load_error),
+        )
+        return _json(health.dump(), status=200 if phase == "ready" else 503)
+
+    @app.get("/v1/status")
+    async def status_route() -> Response:
+        engine, model = state.engine_for(None)
+        stats = engine.get_stats()
+        stats["server"] = {"phase": state.phase, "model": model, "names": state.model_names}
+        return _json(stats)
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats_route() -> Response:
+        engine, _ = state.engine_for(None)
+        return _json(engine.get_cache_stats())
+
+    @app.delete("/v1/cache")
+    async def cache_clear_route() -> Response:
+        engine, _ = state.engine_for(None)
+        return _json(await engine.clear_runtime_caches())
+
+    @app.get("/openapi.json")
+    async def openapi_route() -> Response:
+        return _json(openapi_document())
+
+    @app.get("/")
+    async def root_route() -> Response:
+        return _json(
+            {
+                "name": "trio-mlx",
+                "status": state.phase,
+                "models": state.model_names,
+                "time": int(time.time()),
+                "docs": "/openapi.json",
+            }
+        )
+
+
+def _socket_request(message: str | bytes) -> ResponsesRequest:
+    try:
+        payload = json.loads(message)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the message is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "a message must be a JSON object", code="invalid_json")
+    kind = payload.pop("type", None)
+    if kind != "response.create":
+        raise APIError(
+            400, f"unknown message type {kind!r}; expected 'response.create'", param="type"
+        )
+    payload.pop("stream", None)  # a WebSocket response is always streamed
+    try:
+        return ResponsesRequest.model_validate(payload)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _socket_error(exc: APIError) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "status": exc.status,
+        "error": {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param},
+    }
+
+
+def _error_handlers(app: QuartTrio) -> None:
+    @app.errorhandler(APIError)
+    async def api_error(exc: APIError) -> Response:
+        return _json(exc.body(), status=exc.status, headers=exc.headers)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        headers: dict[str, str] = {}
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            headers["Allow"] = ", ".join(exc.valid_methods)
+        if status == 404:
+            message = f"no route {request.method} {request.path}"
+            kind, code = NOT_FOUND, "not_found"
+        elif status == 405:
+            message = f"{request.method} is not allowed on {request.path}"
+            kind, code = INVALID_REQUEST, "method_not_allowed"
+        elif status == 413:
+            message = "the request body is larger than this server accepts"
+            kind, code = INVALID_REQUEST, "request_too_large"
+        else:
+            message = exc.description or exc.name
+            kind, code = (SERVER_ERROR if status >= 500 else INVALID_REQUEST), None
+        return _json(error_body(message, type=kind, code=code), status=status, headers=headers)
+
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return _json(
+            error_body(f"internal error: {type(exc).__name__}", type=SERVER_ERROR),
+            status=500,
+        )

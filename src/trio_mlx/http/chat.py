@@ -1,0 +1,250 @@
+"""`POST /v1/chat/completions`, streaming (SSE) and not.
+
+Stream framing: every chunk has the same `id` and `created`; the first chunk with content carries
+`role: "assistant"` (no empty chunk is sent ahead of the first token, so clients measure a true
+time to first token); content (and `reasoning_content`) deltas follow; then one chunk with an empty
+delta and the `finish_reason`; with `stream_options.include_usage`, a chunk with `choices: []` and
+the usage; then `data: [DONE]`, exactly once. A request that fails after the stream began ends
+with `data: {"error": ...}` and `data: [DONE]`.
+
+When the client goes away, the handler is cancelled and the generation is aborted at the runner's
+next step boundary; the admission slot is free at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from trio_mlx.actors.request import ActiveRequest
+from trio_mlx.http.access_log import RequestRecord
+from trio_mlx.http.errors import APIError
+from trio_mlx.http.generation import (
+    DONE,
+    TokenText,
+    admit,
+    failure,
+    new_id,
+    outputs,
+    prepare,
+    sse,
+    usage_counts,
+)
+from trio_mlx.http.objects import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChoiceLogprobs,
+    Usage,
+)
+from trio_mlx.http.requests import ChatCompletionRequest, ChatMessage
+from trio_mlx.http.state import ServerState
+from trio_mlx.types import GenerationOutput, TokenLogprob
+
+TEXT_PARTS = {"text", "input_text", "output_text"}
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text content, `developer` as `system`.
+    Media parts are refused (this route serves text models)."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type == "refusal":
+                    texts.append(part.refusal or "")
+                elif part.type in TEXT_PARTS:
+                    if part.text is None:
+                        raise APIError(
+                            400,
+                            "a text part needs `text`",
+                            param=f"messages[{i}].content[{j}].text",
+                        )
+                    texts.append(part.text)
+                else:
+                    raise APIError(
+                        400,
+                        f"content parts of type {part.type!r} are not supported "
+                        "by this model (text only)",
+                        param=f"messages[{i}].content[{j}].type",
+                        code="unsupported_value",
+                    )
+            text: str | None = "\n".join(texts)
+        else:
+            text = content
+        if text is None and message.role not in ("assistant", "tool"):
+            raise APIError(
+                400, f"a {message.role} message needs content", param=f"messages[{i}].content"
+            )
+        item: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": text or "",
+        }
+        for name in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(message, name)
+            if value is not None:
+                item[name] = value
+        out.append(item)
+    return out
+
+
+async def chat_completions(
+    state: ServerState, body: ChatCompletionRequest, record: RequestRecord
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    """Answer one chat completion request: a JSON body, or the SSE byte stream."""
+    body.check_supported()
+    engine, model = state.engine_for(body.model)
+    record.model = model
+    messages = template_messages(body.messages)
+    tools = None
+    if body.tools and body.tool_choice != "none":
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    options = body.sampling_options()
+    if body.logprobs:
+        options["logprobs"] = True
+        options["top_logprobs"] = body.top_logprobs or 0
+    if body.thinking_token_budget is not None:
+        options["thinking_token_budget"] = body.thinking_token_budget
+    prepared = prepare(
+        lambda: engine.prepare_chat(
+            messages,
+            max_tokens=body.completion_limit,
+            tools=tools,
+            chat_template_kwargs=body.chat_template_kwargs,
+            **options,
+        )
+    )
+    record.prompt_tokens = len(prepared.prompt_tokens)
+    active = await admit(engine, prepared)
+    reply = _Reply(new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer))
+    if body.stream:
+        return reply.stream(active, record, include_usage=body.include_usage)
+    final = await reply.final(active, record)
+    return reply.completion(final, with_logprobs=bool(body.logprobs)).dump()
+
+
+class _Reply:
+    def __init__(self, id: str, created: int, model: str, text: TokenText) -> None:
+        self.id = id
+        self.created = created
+        self.model = model
+        self.text = text
+
+    async def final(self, active: ActiveRequest, record: RequestRecord) -> GenerationOutput:
+        final: GenerationOutput | None = None
+        try:
+            async for output in outputs(active):
+                final = output
+        finally:
+            active.close()
+            record.finish(final)
+        assert final is not None and final.finished
+        error = failure(final)
+        if error is not None:
+            detail = error["error"]
+            status = 503 if final.finish_reason == "abort" else 500
+            raise APIError(status, detail["message"], type=detail["type"], code=detail["code"])
+        return final
+
+    def completion(self, final: GenerationOutput, *, with_logprobs: bool) -> ChatCompletion:
+        prompt, completion, total = usage_counts(final)
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                ChatChoice(
+                    message=AssistantMessage(
+                        content=final.text, reasoning_content=final.reasoning or None
+                    ),
+                    logprobs=self.text.chat_logprobs(final.logprobs or [])
+                    if with_logprobs
+                    else None,
+                    finish_reason="length" if final.finish_reason == "length" else "stop",
+                )
+            ],
+            usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total),
+        )
+
+    def _chunk(
+        self,
+        delta: ChatDelta,
+        *,
+        logprobs: ChoiceLogprobs | None = None,
+        finish_reason: Any = None,
+    ) -> bytes:
+        choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        chunk = ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[choice]
+        ).dump()
+        # OpenAI sends both keys on every choice of a chunk, null when there is nothing.
+        chunk["choices"][0].setdefault("logprobs", None)
+        chunk["choices"][0].setdefault("finish_reason", None)
+        return sse(chunk)
+
+    async def stream(
+        self, active: ActiveRequest, record: RequestRecord, *, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        role_sent = False
+        # Logprobs of tokens whose text is held back (a possible stop string) wait for the
+        # chunk that carries their text.
+        pending: list[TokenLogprob] = []
+        last: GenerationOutput | None = None
+        try:
+            async for out in outputs(active):
+                last = out
+                if out.new_logprobs:
+                    pending.extend(out.new_logprobs)
+                if out.new_text or out.new_reasoning:
+                    delta = ChatDelta(
+                        role=None if role_sent else "assistant",
+                        content=out.new_text or None,
+                        reasoning_content=out.new_reasoning or None,
+                    )
+                    role_sent = True
+                    yield self._chunk(delta, logprobs=self._take(pending, out))
+                if not out.finished:
+                    continue
+                error = failure(out)
+                if error is not None:
+                    yield sse(error)
+                    yield DONE
+                    return
+                if not role_sent:
+                    yield self._chunk(ChatDelta(role="assistant", content=""))
+                reason = "length" if out.finish_reason == "length" else "stop"
+                yield self._chunk(
+                    ChatDelta(), logprobs=self._take(pending, out), finish_reason=reason
+                )
+                if include_usage:
+                    prompt, completion, total = usage_counts(out)
+                    usage = Usage(
+                        prompt_tokens=prompt, completion_tokens=completion, total_tokens=total
+                    )
+                    yield sse(
+                        ChatCompletionChunk(
+                            id=self.id,
+                            created=self.created,
+                            model=self.model,
+                            choices=[],
+                            usage=usage,
+                        ).dump()
+                    )
+                yield DONE
+                return
+        finally:
+            active.close()
+            record.finish(last)
+
+    def _take(self, pending: list[TokenLogprob], out: GenerationOutput) -> ChoiceLogprobs | None:
+        if out.logprobs is None or not pending:
+            return None
+        items = list(pending)
+        pending.clear()
+        return self.text.chat_logprobs(items)

@@ -1,0 +1,173 @@
+"""`POST /v1/completions`, streaming (SSE) and not: a text prompt or token ids, `echo`,
+`logprobs` (an integer: how many alternatives per token, 0..20).
+
+Stream framing: `text_completion` chunks with the same `id` and `created`, each with the new
+text; the last chunk carries the `finish_reason`; the usage chunk (`choices: []`) when asked;
+`data: [DONE]` once. A failure after the stream began: `data: {"error": ...}`, `data: [DONE]`.
+A client that goes away aborts the generation at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from trio_mlx.actors.request import ActiveRequest
+from trio_mlx.http.access_log import RequestRecord
+from trio_mlx.http.errors import APIError
+from trio_mlx.http.generation import (
+    DONE,
+    TokenText,
+    admit,
+    failure,
+    new_id,
+    outputs,
+    prepare,
+    sse,
+    usage_counts,
+)
+from trio_mlx.http.objects import Completion, CompletionChoice, CompletionLogprobs, Usage
+from trio_mlx.http.requests import CompletionRequest
+from trio_mlx.http.state import ServerState
+from trio_mlx.types import GenerationOutput, TokenLogprob
+
+
+async def completions(
+    state: ServerState, body: CompletionRequest, record: RequestRecord
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    """Answer one completion request: a JSON body, or the SSE byte stream."""
+    body.check_supported()
+    engine, model = state.engine_for(body.model)
+    record.model = model
+    prompt = body.single_prompt()
+    options = body.sampling_options()
+    if body.logprobs is not None:
+        options["logprobs"] = True
+        options["top_logprobs"] = body.logprobs
+    prepared = prepare(
+        lambda: engine.prepare_generate(prompt, max_tokens=body.max_tokens, **options)
+    )
+    record.prompt_tokens = len(prepared.prompt_tokens)
+    echo = ""
+    if body.echo:
+        echo = prompt if isinstance(prompt, str) else str(engine.tokenizer.decode(prompt))
+    active = await admit(engine, prepared)
+    reply = _Reply(
+        new_id("cmpl"),
+        int(time.time()),
+        model,
+        TokenText(engine.tokenizer),
+        echo=echo,
+        with_logprobs=body.logprobs is not None,
+    )
+    if body.stream:
+        return reply.stream(active, record, include_usage=body.include_usage)
+    return (await reply.whole(active, record)).dump()
+
+
+class _Reply:
+    def __init__(
+        self,
+        id: str,
+        created: int,
+        model: str,
+        text: TokenText,
+        *,
+        echo: str,
+        with_logprobs: bool,
+    ) -> None:
+        self.id = id
+        self.created = created
+        self.model = model
+        self.text = text
+        self.echo = echo
+        self.with_logprobs = with_logprobs
+
+    def _body(self, choice: CompletionChoice, usage: Usage | None = None) -> Completion:
+        return Completion(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        )
+
+    def _logprobs(self, items: list[TokenLogprob], offset: int) -> CompletionLogprobs | None:
+        if not self.with_logprobs:
+            return None
+        return self.text.completion_logprobs(items, offset)
+
+    async def whole(self, active: ActiveRequest, record: RequestRecord) -> Completion:
+        final: GenerationOutput | None = None
+        try:
+            async for output in outputs(active):
+                final = output
+        finally:
+            active.close()
+            record.finish(final)
+        assert final is not None and final.finished
+        error = failure(final)
+        if error is not None:
+            detail = error["error"]
+            status = 503 if final.finish_reason == "abort" else 500
+            raise APIError(status, detail["message"], type=detail["type"], code=detail["code"])
+        prompt, completion, total = usage_counts(final)
+        choice = CompletionChoice(
+            text=self.echo + final.text,
+            logprobs=self._logprobs(final.logprobs or [], len(self.echo)),
+            finish_reason="length" if final.finish_reason == "length" else "stop",
+        )
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+        return self._body(choice, usage)
+
+    async def stream(
+        self, active: ActiveRequest, record: RequestRecord, *, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        pending: list[TokenLogprob] = []
+        offset = len(self.echo)
+        prefix = self.echo
+        last: GenerationOutput | None = None
+        try:
+            async for out in outputs(active):
+                last = out
+                if out.new_logprobs:
+                    pending.extend(out.new_logprobs)
+                if out.new_text or (prefix and out.finished):
+                    text = prefix + out.new_text
+                    prefix = ""
+                    logprobs = self._logprobs(pending, offset)
+                    pending = []
+                    offset += len(out.new_text)
+                    yield sse(self._body(CompletionChoice(text=text, logprobs=logprobs)).dump())
+                if not out.finished:
+                    continue
+                error = failure(out)
+                if error is not None:
+                    yield sse(error)
+                    yield DONE
+                    return
+                reason: Literal["stop", "length"] = (
+                    "length" if out.finish_reason == "length" else "stop"
+                )
+                logprobs = self._logprobs(pending, offset) if pending else None
+                yield sse(
+                    self._body(
+                        CompletionChoice(text="", logprobs=logprobs, finish_reason=reason)
+                    ).dump()
+                )
+                if include_usage:
+                    prompt, completion, total = usage_counts(out)
+                    usage = Usage(
+                        prompt_tokens=prompt, completion_tokens=completion, total_tokens=total
+                    )
+                    yield sse(
+                        Completion(
+                            id=self.id,
+                            created=self.created,
+                            model=self.model,
+                            choices=[],
+                            usage=usage,
+                        ).dump()
+                    )
+                yield DONE
+                return
+        finally:
+            active.close()
+            record.finish(last)

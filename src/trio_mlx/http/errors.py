@@ -1,0 +1,112 @@
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`, always JSON.
+
+`APIError` is what route code raises; `from_engine_error` maps the engine's exceptions (refusals,
+bad requests, a dead engine) to their HTTP status, and `from_validation_error` turns a pydantic
+validation failure into a 400 whose `param` names the offending field (`messages[0].content`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from trio_mlx.errors import (
+    EngineBusy,
+    EngineClosed,
+    EngineCrashed,
+    InvalidRequest,
+    PromptTooLong,
+    TrioMLXError,
+)
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+OVERLOADED = "overloaded_error"
+UNAVAILABLE = "service_unavailable"
+
+
+class APIError(Exception):
+    """An error response: HTTP `status` with the OpenAI error body (and extra headers)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: `{"error": {...}}`."""
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str, *, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def from_engine_error(exc: TrioMLXError) -> APIError:
+    """The HTTP answer to an engine exception raised before a response started."""
+    if isinstance(exc, PromptTooLong):
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, EngineBusy):
+        retry = max(1, round(exc.retry_after))
+        return APIError(
+            429,
+            str(exc),
+            type=OVERLOADED,
+            code=exc.code,
+            headers={"Retry-After": str(retry)},
+        )
+    if isinstance(exc, EngineClosed):
+        return APIError(503, str(exc), type=UNAVAILABLE, code=exc.code)
+    if isinstance(exc, EngineCrashed):
+        return APIError(503, str(exc), type=UNAVAILABLE, code=exc.code)
+    return APIError(500, str(exc), type=SERVER_ERROR, code=exc.code)
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """A 400 for the first validation failure, `param` naming the field."""
+    first = exc.errors(include_url=False)[0]
+    loc = [part for part in first.get("loc", ()) if not _is_union_tag(part)]
+    param = field_path(loc) or None
+    message = first.get("msg", "invalid value")
+    if param:
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def field_path(loc: list[Any] | tuple[Any, ...]) -> str:
+    """`("messages", 0, "content")` -> `messages[0].content`."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names the union member it tried in the location (`str`, `list[...]`,
+    # `function-after[...]`); those are not fields the client sent.
+    return isinstance(part, str) and (
+        "[" in part or part in {"str", "int", "float", "bool", "list", "dict"}
+    )

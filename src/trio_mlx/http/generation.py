@@ -1,0 +1,165 @@
+"""What every generation route shares: preparing and admitting a request with HTTP errors, the
+SSE framing, the error a stream ends with, and logprobs in the OpenAI shapes.
+
+A request is decided before the first byte: validation (`prepare`) and admission (`admit`) both
+raise `APIError`, so a refused request gets its status code, never an HTTP 200 with an empty
+stream. Once admitted, the `ActiveRequest` must be closed: `outputs` does it when iteration ends,
+is cancelled (the client went away) or the iterator is dropped unstarted.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from trio_mlx.actors.engine import Engine
+from trio_mlx.actors.request import ActiveRequest, GenerationStream
+from trio_mlx.errors import TrioMLXError
+from trio_mlx.http.errors import SERVER_ERROR, UNAVAILABLE, error_body, from_engine_error
+from trio_mlx.http.objects import (
+    ChoiceLogprobs,
+    CompletionLogprobs,
+    TokenLogprobOut,
+    TopLogprob,
+)
+from trio_mlx.preparation import PreparedRequest
+from trio_mlx.types import GenerationOutput, TokenLogprob
+
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def prepare(build: Callable[[], T]) -> T:
+    """Run the engine's request preparation, turning its refusals into 400s."""
+    try:
+        return build()
+    except TrioMLXError as exc:
+        raise from_engine_error(exc) from exc
+
+
+async def admit(engine: Engine, request: PreparedRequest) -> ActiveRequest:
+    """Admission and submission; refusals become 429 (with Retry-After) or 503."""
+    try:
+        return await engine.start_request(request)
+    except TrioMLXError as exc:
+        raise from_engine_error(exc) from exc
+
+
+def outputs(active: ActiveRequest) -> GenerationStream:
+    """The request's outputs; closing, cancelling or dropping the iterator aborts the request."""
+
+    async def started() -> ActiveRequest:
+        return active
+
+    return GenerationStream(started)
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One SSE `data:` event."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_event(event: str, payload: dict[str, Any]) -> bytes:
+    """One SSE event with an `event:` line (the Responses API's framing)."""
+    data = json.dumps(payload, separators=(",", ":"))
+    return f"event: {event}\ndata: {data}\n\n".encode()
+
+
+def failure(final: GenerationOutput) -> dict[str, Any] | None:
+    """The error body a stream ends with when its request failed or was aborted, else None."""
+    if final.finish_reason == "error":
+        return error_body(
+            f"generation failed: {final.error or 'unknown error'}",
+            type=SERVER_ERROR,
+            code="generation_error",
+        )
+    if final.finish_reason == "abort":
+        return error_body(
+            "the request was aborted: the server is shutting down",
+            type=UNAVAILABLE,
+            code="aborted",
+        )
+    return None
+
+
+def usage_counts(final: GenerationOutput) -> tuple[int, int, int]:
+    return (
+        final.prompt_tokens,
+        final.completion_tokens,
+        final.prompt_tokens + final.completion_tokens,
+    )
+
+
+class TokenText:
+    """Token ids as the strings and bytes the logprobs shapes report (cached per token)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._cache.get(token)
+        if text is None:
+            text = str(self._tokenizer.decode([token]))
+            self._cache[token] = text
+        return text
+
+    def bytes(self, token: int) -> list[int]:
+        return list(self(token).encode("utf-8"))
+
+    def chat_logprobs(self, items: Sequence[TokenLogprob] | None) -> ChoiceLogprobs | None:
+        """Chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+        if items is None:
+            return None
+        return ChoiceLogprobs(
+            content=[
+                TokenLogprobOut(
+                    token=self(item.token),
+                    logprob=item.logprob,
+                    bytes=self.bytes(item.token),
+                    top_logprobs=[
+                        TopLogprob(token=self(t), logprob=lp, bytes=self.bytes(t))
+                        for t, lp in item.top
+                    ],
+                )
+                for item in items
+            ]
+        )
+
+    def completion_logprobs(
+        self, items: Sequence[TokenLogprob] | None, offset: int
+    ) -> CompletionLogprobs | None:
+        """Completions' `{tokens, token_logprobs, top_logprobs, text_offset}`; `offset` is where
+        the first token's text starts in the choice's text."""
+        if items is None:
+            return None
+        out = CompletionLogprobs()
+        for item in items:
+            text = self(item.token)
+            out.tokens.append(text)
+            out.token_logprobs.append(item.logprob)
+            out.top_logprobs.append({self(t): lp for t, lp in item.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+async def final_output(active: ActiveRequest) -> GenerationOutput:
+    """Run an admitted request to its end (cancellation aborts it)."""
+    async for output in outputs(active):
+        if output.finished:
+            return output
+    raise AssertionError("a request stream ended without a final output")  # pragma: no cover
+
+
+async def aiter_bytes(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        yield chunk

@@ -1,0 +1,240 @@
+"""Response bodies and stream events of the OpenAI routes, as pydantic models.
+
+They are the single description of what the server sends: route code builds them, and
+`openapi.py` documents them. Optional fields left unset are left out of the JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class _Out(BaseModel):
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+    def dump(self) -> dict[str, Any]:  # param and code are always present, null when unset
+        return self.model_dump(mode="json")
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprobOut] | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+# ---- chat --------------------------------------------------------------------------------------
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+
+    def dump(self) -> dict[str, Any]:  # content is always present (null only when absent)
+        out = super().dump()
+        out.setdefault("content", None)
+        return out
+
+
+class ChatChoice(_Out):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---- completions -------------------------------------------------------------------------------
+
+
+class CompletionChoice(_Out):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Completion(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+    def dump(self) -> dict[str, Any]:  # OpenAI sends both keys on every choice, null or not
+        out = super().dump()
+        for choice in out["choices"]:
+            choice.setdefault("logprobs", None)
+            choice.setdefault("finish_reason", None)
+        return out
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class OutputText(_Out):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(_Out):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(_Out):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(_Out):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+
+
+class IncompleteDetails(_Out):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseObject(_Out):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[OutputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: ErrorDetail | None = None
+    usage: ResponseUsage | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: str = "auto"
+    tools: list[Any] = Field(default_factory=list)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    output_text: str | None = None
+
+
+class ResponseStreamEvent(_Out):
+    """One event of a streamed response (SSE `event:`/`data:` or one WebSocket message).
+    `type` is `response.created`, `response.in_progress`, `response.output_item.added`,
+    `response.content_part.added`, `response.output_text.delta`, `response.output_text.done`,
+    `response.content_part.done`, `response.output_item.done`, then `response.completed`,
+    `response.incomplete` or `response.failed`; or `error`."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    item_id: str | None = None
+    item: OutputMessage | None = None
+    part: OutputText | None = None
+    delta: str | None = None
+    text: str | None = None
+    logprobs: list[Any] | None = None
+
+
+# ---- models and operations ---------------------------------------------------------------------
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "trio-mlx"
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(_Out):
+    status: Literal["ok", "loading", "draining", "dead"]
+    model: str | None = None
+    detail: str | None = None

@@ -1,0 +1,175 @@
+"""The OpenAPI 3.1 document of the server, generated from the request and response models.
+
+Each route lists its request body, its success responses (JSON, and the SSE event type where it
+streams) and the error responses it can give, all in the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from trio_mlx.http.objects import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    ResponseObject,
+    ResponseStreamEvent,
+)
+from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+
+REF = "#/components/schemas/{model}"
+
+ERRORS = {
+    "400": "Invalid request: malformed JSON, a wrong type or value (`param` names the field), "
+    "a prompt that does not fit the context",
+    "404": "Unknown model",
+    "413": "Request body too large",
+    "415": "Content-Type is not application/json",
+    "429": "Admission refused: the engine is busy (see Retry-After)",
+    "500": "Internal error",
+    "503": "The model is loading, or the engine is shutting down or dead",
+}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    return {
+        code: {
+            "description": ERRORS[code],
+            "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+        }
+        for code in codes
+    }
+
+
+def _json_ok(model: type[BaseModel], stream: type[BaseModel] | None = None) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": _ref(model)}}
+    if stream is not None:
+        content["text/event-stream"] = {
+            "schema": {"type": "string"},
+            "itemSchema": _ref(stream),
+            "description": f"With `stream: true`: server-sent events of {stream.__name__}",
+        }
+    return {"200": {"description": "Success", "content": content}}
+
+
+def _generation(
+    summary: str, body: type[BaseModel], result: type[BaseModel], chunk: type[BaseModel]
+) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(body)}},
+            },
+            "responses": _json_ok(result, chunk)
+            | _errors("400", "404", "413", "415", "429", "500", "503"),
+        }
+    }
+
+
+def _get(summary: str, result: dict[str, Any], *errors: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "responses": {
+            "200": {"description": "Success", "content": {"application/json": {"schema": result}}}
+        }
+        | _errors(*errors),
+    }
+
+
+@cache
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (built once)."""
+    models: list[type[BaseModel]] = [
+        ChatCompletionRequest,
+        CompletionRequest,
+        ResponsesRequest,
+        ChatCompletion,
+        ChatCompletionChunk,
+        Completion,
+        ResponseObject,
+        ResponseStreamEvent,
+        ModelList,
+        ModelCard,
+        Health,
+        ErrorResponse,
+    ]
+    _, schemas = models_json_schema(
+        [(m, "validation" if m.__name__.endswith("Request") else "serialization") for m in models],
+        ref_template=REF,
+    )
+    any_object = {"type": "object"}
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": _generation(
+            "Chat completion", ChatCompletionRequest, ChatCompletion, ChatCompletionChunk
+        ),
+        "/v1/completions": _generation(
+            "Text completion", CompletionRequest, Completion, Completion
+        ),
+        "/v1/responses": _generation(
+            "Create a response (also a WebSocket endpoint: send `response.create` messages)",
+            ResponsesRequest,
+            ResponseObject,
+            ResponseStreamEvent,
+        ),
+        "/v1/models": {"get": _get("The served model and its aliases", _ref(ModelList), "503")},
+        "/v1/models/{model}": {
+            "get": _get("One model", _ref(ModelCard), "404", "503")
+            | {
+                "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ]
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "200 when ready; 503 while loading, draining or dead",
+                "responses": {
+                    "200": {
+                        "description": "Ready",
+                        "content": {"application/json": {"schema": _ref(Health)}},
+                    },
+                    "503": {
+                        "description": "Not ready",
+                        "content": {"application/json": {"schema": _ref(Health)}},
+                    },
+                },
+            }
+        },
+        "/v1/status": {"get": _get("Live engine statistics", any_object, "503")},
+        "/v1/cache/stats": {"get": _get("Prefix KV-cache statistics", any_object, "503")},
+        "/v1/cache": {"delete": _get("Drop every cached prefix", any_object, "503")},
+        "/openapi.json": {"get": _get("This document", any_object)},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "trio-mlx",
+            "version": _version(),
+            "description": "OpenAI-compatible LLM server on MLX. Errors are "
+            '`{"error": {"message", "type", "param", "code"}}`.',
+        },
+        "paths": paths,
+        "components": {"schemas": schemas["$defs"]},
+    }
+
+
+def _version() -> str:
+    try:
+        return version("trio-mlx")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0+unknown"

@@ -1,0 +1,285 @@
+"""Request bodies of the OpenAI routes, as pydantic models.
+
+Types and ranges that are plain facts about the field are checked here (a failure is a 400 whose
+`param` names the field); values that depend on the model (token ids, the context) are checked by
+the engine's `RequestPreparer`. Unknown fields are ignored, as the OpenAI API does. Fields that are
+accepted but only take one value here (`n`, `best_of`, `tool_choice` beyond "auto"/"none") are
+validated, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from trio_mlx.http.errors import APIError
+
+StopField = Annotated[
+    str | Annotated[list[str], Field(max_length=4)] | None,
+    Field(description="Up to 4 strings; generation stops before any of them."),
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """What every generation route accepts besides its prompt and token limit."""
+
+    model: str | None = Field(default=None, description="A name from GET /v1/models.")
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: StopField = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
+        items = [value] if isinstance(value, str) else value or []
+        if any(not s for s in items):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The engine keyword options this request sets (absent ones keep engine defaults)."""
+        options: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "stop": self.stop,
+            "seed": self.seed,
+        }
+        for name in (
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                options[name] = value
+        return options
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _only_one_choice(n: int | None, name: str = "n") -> None:
+    if n is not None and n != 1:
+        raise APIError(
+            400,
+            f"{name} must be 1: this server generates one choice per request",
+            param=name,
+            code="unsupported_value",
+        )
+
+
+# ---- chat completions --------------------------------------------------------------------------
+
+
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(_Body):
+    """A part of a message's content: text (`text`, `input_text`, `output_text`) or media."""
+
+    type: Literal[
+        "text",
+        "input_text",
+        "output_text",
+        "image_url",
+        "input_image",
+        "input_audio",
+        "video_url",
+        "refusal",
+    ]
+    text: str | None = None
+    refusal: str | None = None
+    image_url: ImageURL | str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: int | None = 1
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
+
+    def check_supported(self) -> None:
+        _only_one_choice(self.n)
+        if isinstance(self.tool_choice, dict):
+            raise APIError(
+                400,
+                "tool_choice may be 'auto' or 'none' on this server",
+                param="tool_choice",
+                code="unsupported_value",
+            )
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(
+                400,
+                f"response_format {self.response_format.type!r} is not "
+                "supported on this server (only 'text')",
+                param="response_format",
+                code="unsupported_value",
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+
+    @property
+    def completion_limit(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# ---- completions -------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    n: int | None = 1
+    best_of: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def check_supported(self) -> None:
+        _only_one_choice(self.n)
+        _only_one_choice(self.best_of, "best_of")
+        if self.suffix:
+            raise APIError(
+                400,
+                "suffix is not supported on this server",
+                param="suffix",
+                code="unsupported_value",
+            )
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request (a batch of several is a 400)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]  # type: ignore[arg-type]
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                "prompt must be a single prompt: this server does not batch",
+                param="prompt",
+                code="unsupported_value",
+            )
+        only = prompt[0]
+        return only if isinstance(only, str) else list(only)  # type: ignore[arg-type]
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class InputMessage(_Body):
+    type: Literal["message"] | None = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+
+class ResponseTextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+
+
+class ResponseText(_Body):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    """POST /v1/responses (and a `response.create` message on its WebSocket)."""
+
+    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    text: ResponseText | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check_supported(self) -> None:
+        if self.previous_response_id is not None:
+            raise APIError(
+                400,
+                "previous_response_id is not supported: this server does not "
+                "store responses; send the conversation as input items",
+                param="previous_response_id",
+                code="unsupported_value",
+            )
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type != "text":
+            raise APIError(
+                400,
+                f"text.format {fmt.type!r} is not supported on this server",
+                param="text.format",
+                code="unsupported_value",
+            )
+        if self.tools:
+            raise APIError(
+                400,
+                "tools are not supported on /v1/responses yet; use /v1/chat/completions",
+                param="tools",
+                code="unsupported_value",
+            )

@@ -1,0 +1,93 @@
+"""What the HTTP app knows about the server: its settings, and the engine once it is loaded.
+
+The app is created before the model has loaded (so that `/health` can answer 503 meanwhile);
+`ServerState.engine_for` is how a route gets the engine, refusing with the right error while the
+model loads, after it failed or died, and for a model name the server does not serve.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from trio_mlx.actors.engine import Engine
+from trio_mlx.http.errors import NOT_FOUND, UNAVAILABLE, APIError
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How `trio-mlx serve` runs: where it listens, under which names, its limits, the engine."""
+
+    model: str | Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout: float = 10.0
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+
+Phase = Literal["loading", "ready", "draining", "dead"]
+
+
+class ServerState:
+    """Shared by every route of one server. Lives on the Trio thread."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.engine: Engine | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.created = int(time.time())
+
+    @property
+    def model_names(self) -> list[str]:
+        """Names clients may use, the first one the canonical one."""
+        names = list(self.settings.served_model_names)
+        if self.engine is not None and not names:
+            names.append(self.engine.model_name)
+        return names
+
+    @property
+    def phase(self) -> Phase:
+        if self.load_error is not None:
+            return "dead"
+        if self.engine is None:
+            return "loading"
+        if not self.engine.is_alive and not self.draining:
+            return "dead"
+        return "draining" if self.draining else "ready"
+
+    def engine_for(self, model: str | None) -> tuple[Engine, str]:
+        """The engine and the name to report for a request naming `model` (None: the default)."""
+        engine = self.engine
+        if engine is None:
+            if self.load_error is not None:
+                raise APIError(
+                    503,
+                    f"the model failed to load: {self.load_error}",
+                    type=UNAVAILABLE,
+                    code="model_load_error",
+                )
+            raise APIError(
+                503,
+                "the model is still loading",
+                type=UNAVAILABLE,
+                code="model_loading",
+                headers={"Retry-After": "1"},
+            )
+        names = self.model_names
+        if model is None or model == "":
+            return engine, names[0]
+        if model in names:
+            return engine, model
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist on this server; it serves "
+            + ", ".join(repr(n) for n in names),
+            type=NOT_FOUND,
+            param="model",
+            code="model_not_found",
+        )

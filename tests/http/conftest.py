@@ -1,0 +1,62 @@
+"""An HTTP server over the tiny model, in the test's own Trio run, on 127.0.0.1 port 0."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from trio_mlx.engine.loading import load_model
+from trio_mlx.http.server import RunningServer, serve_http
+from trio_mlx.http.state import ServerSettings
+
+
+@asynccontextmanager
+async def running_server(
+    model: Path,
+    *,
+    loader: Callable[..., Any] = load_model,
+    wait_ready: bool = True,
+    **settings: Any,
+) -> AsyncIterator[RunningServer]:
+    """Start a server (port 0), wait until its model is loaded, stop it on exit."""
+    settings.setdefault("port", 0)
+    async with trio.open_nursery() as nursery:
+        server: RunningServer = await nursery.start(
+            partial(serve_http, ServerSettings(model=model, **settings), loader=loader)
+        )
+        if wait_ready:
+            with trio.fail_after(60):
+                while server.state.engine is None:
+                    await trio.sleep(0.01)
+        try:
+            yield server
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def server(tiny_model_dir: Path) -> AsyncIterator[RunningServer]:
+    async with running_server(tiny_model_dir, served_model_names=("tiny", "tiny-alias")) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def http(server: RunningServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+async def client(server: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30
+    ) as client:
+        yield client
