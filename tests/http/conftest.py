@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -26,8 +27,12 @@ async def running_server(
     wait_ready: bool = True,
     **settings: Any,
 ) -> AsyncIterator[RunningServer]:
-    """Start a server (port 0), wait until its model is loaded, stop it on exit."""
+    """Start a server (port 0), wait until its model is loaded, stop it on exit. Keywords that
+    are not `ServerSettings` fields are engine options (`prefill_step_size=8`, ...)."""
     settings.setdefault("port", 0)
+    fields = {f.name for f in dataclasses.fields(ServerSettings)}
+    engine_options = {k: settings.pop(k) for k in list(settings) if k not in fields}
+    settings["engine_options"] = engine_options
     async with trio.open_nursery() as nursery:
         server: RunningServer = await nursery.start(
             partial(serve_http, ServerSettings(model=model, **settings), loader=loader)

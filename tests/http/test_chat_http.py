@@ -90,7 +90,11 @@ async def test_stream_without_usage_and_with_empty_stream_options(
 
 async def test_openai_client_streams(client: openai.AsyncOpenAI) -> None:
     stream = await client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     pieces, reasons, usage = [], [], None
@@ -160,7 +164,11 @@ async def test_content_parts_and_developer_role(
 
 async def test_logprobs_shape(server: RunningServer, client: openai.AsyncOpenAI) -> None:
     reply = await client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True,
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
         top_logprobs=3,
     )
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
@@ -178,8 +186,13 @@ async def test_logprobs_shape(server: RunningServer, client: openai.AsyncOpenAI)
 
 
 async def test_streamed_logprobs_cover_every_token(http: httpx.AsyncClient) -> None:
-    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": True,
-            "logprobs": True}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": True,
+    }
     events = chunks((await http.post("/v1/chat/completions", json=body)).text)
     tokens = [
         item

@@ -28,9 +28,7 @@ async def test_text_prompt_matches_the_engine(
     assert reply.usage.completion_tokens == 9
 
 
-async def test_token_id_prompts_and_echo(
-    server: RunningServer, client: openai.AsyncOpenAI
-) -> None:
+async def test_token_id_prompts_and_echo(server: RunningServer, client: openai.AsyncOpenAI) -> None:
     engine = server.state.engine
     assert engine is not None
     ids = list(engine.prepare_generate(PROMPT).prompt_tokens)

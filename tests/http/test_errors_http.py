@@ -41,8 +41,11 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url",
-                                                         "image_url": {"url": "x"}}]}]},
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            },
             "messages[0].content[0].type",
         ),
         ({"messages": MESSAGES, "temperature": 3}, "temperature"),
@@ -104,10 +107,13 @@ async def test_malformed_json_wrong_type_and_media(http: httpx.AsyncClient) -> N
         CHAT, content=b"{not json", headers={"Content-Type": "application/json"}
     )
     assert assert_error(response, 400)["code"] == "invalid_json"
-    response = await http.post(CHAT, content=b"[1, 2]", headers={"Content-Type": "application/json"})
+    response = await http.post(
+        CHAT, content=b"[1, 2]", headers={"Content-Type": "application/json"}
+    )
     assert_error(response, 400)
-    response = await http.post(CHAT, content=json.dumps({"messages": MESSAGES}),
-                               headers={"Content-Type": "text/plain"})
+    response = await http.post(
+        CHAT, content=json.dumps({"messages": MESSAGES}), headers={"Content-Type": "text/plain"}
+    )
     assert_error(response, 415)
 
 
@@ -181,8 +187,16 @@ async def test_health_models_status_openapi(server: RunningServer, http: httpx.A
     assert status["running"] == 0 and status["server"]["phase"] == "ready"
     doc = (await http.get("/openapi.json")).json()
     assert doc["openapi"].startswith("3.1")
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models",
-                 "/health", "/v1/status", "/v1/cache/stats", "/v1/cache"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/health",
+        "/v1/status",
+        "/v1/cache/stats",
+        "/v1/cache",
+    ):
         assert path in doc["paths"], path
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     assert {"400", "404", "413", "415", "429", "503"} <= set(chat["responses"])

@@ -30,7 +30,10 @@ async def test_text_input_with_instructions(
     server: RunningServer, client: openai.AsyncOpenAI
 ) -> None:
     response = await client.responses.create(
-        model="tiny", instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=8,
+        model="tiny",
+        instructions=INSTRUCTIONS,
+        input=QUESTION,
+        max_output_tokens=8,
         temperature=0,
     )
     assert response.object == "response" and response.id.startswith("resp-")
@@ -46,8 +49,11 @@ async def test_input_items(server: RunningServer, client: openai.AsyncOpenAI) ->
         model="tiny",
         input=[
             {"role": "developer", "content": INSTRUCTIONS},
-            {"type": "message", "role": "user",
-             "content": [{"type": "input_text", "text": QUESTION}]},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": QUESTION}],
+            },
         ],
         max_output_tokens=6,
         temperature=0,
@@ -58,18 +64,28 @@ async def test_input_items(server: RunningServer, client: openai.AsyncOpenAI) ->
 async def test_streaming_events(server: RunningServer, http: httpx.AsyncClient) -> None:
     raw = await http.post(
         "/v1/responses",
-        json={"model": "tiny", "instructions": INSTRUCTIONS, "input": QUESTION,
-              "max_output_tokens": 7, "temperature": 0, "stream": True},
+        json={
+            "model": "tiny",
+            "instructions": INSTRUCTIONS,
+            "input": QUESTION,
+            "max_output_tokens": 7,
+            "temperature": 0,
+            "stream": True,
+        },
     )
     events = named_events(raw.text)
     names = [name for name, _ in events]
     assert names[:4] == [
-        "response.created", "response.in_progress", "response.output_item.added",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
         "response.content_part.added",
     ]
     assert names[-4:] == [
-        "response.output_text.done", "response.content_part.done",
-        "response.output_item.done", "response.incomplete",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
     ]
     assert all(data["type"] == name for name, data in events)
     assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
@@ -98,11 +114,21 @@ async def test_websocket_mode_several_responses_and_errors(server: RunningServer
         results: list[list[dict[str, object]]] = []
         with sync.responses.connect() as connection:
             for request in (
-                {"model": "tiny", "instructions": INSTRUCTIONS, "input": QUESTION,
-                 "max_output_tokens": 5, "temperature": 0},
+                {
+                    "model": "tiny",
+                    "instructions": INSTRUCTIONS,
+                    "input": QUESTION,
+                    "max_output_tokens": 5,
+                    "temperature": 0,
+                },
                 {"model": "no-such-model", "input": QUESTION},
-                {"model": "tiny", "instructions": INSTRUCTIONS, "input": QUESTION,
-                 "max_output_tokens": 5, "temperature": 0},
+                {
+                    "model": "tiny",
+                    "instructions": INSTRUCTIONS,
+                    "input": QUESTION,
+                    "max_output_tokens": 5,
+                    "temperature": 0,
+                },
             ):
                 connection.send({"type": "response.create", **request})  # type: ignore[arg-type]
                 events: list[dict[str, object]] = []
@@ -130,16 +156,22 @@ async def test_websocket_bad_messages_keep_the_connection(server: RunningServer)
     def session() -> list[dict[str, object]]:
         answers = []
         with connect(url) as ws:
-            for message in ("not json", "[1]", json.dumps({"type": "nope"}),
-                            json.dumps({"type": "response.create", "input": 3})):
+            for message in (
+                "not json",
+                "[1]",
+                json.dumps({"type": "nope"}),
+                json.dumps({"type": "response.create", "input": 3}),
+            ):
                 ws.send(message)
                 answers.append(json.loads(ws.recv(timeout=10)))
-            ws.send(json.dumps({"type": "response.create", "input": "hi",
-                                "max_output_tokens": 2}))
+            ws.send(json.dumps({"type": "response.create", "input": "hi", "max_output_tokens": 2}))
             while True:
                 event = json.loads(ws.recv(timeout=10))
-                if event["type"].startswith("response.") and "response" in event and \
-                        event["response"]["status"] != "in_progress":
+                if (
+                    event["type"].startswith("response.")
+                    and "response" in event
+                    and event["response"]["status"] != "in_progress"
+                ):
                     answers.append(event)
                     return answers
 

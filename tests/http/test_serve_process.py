@@ -1,0 +1,108 @@
+"""`trio-mlx serve` as a process: SIGTERM drains streams in flight, then exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+LONG = {
+    "messages": [{"role": "user", "content": "Count forever."}],
+    "max_tokens": 900,
+    "temperature": 0,
+    "stream": True,
+}
+
+
+@contextmanager
+def serve(model: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trio_mlx", "serve", str(model), "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stderr is not None
+        url = None
+        for line in process.stderr:
+            if "listening on " in line:
+                url = line.strip().split("listening on ", 1)[1]
+                break
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(600):
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        if process.stderr is not None:
+            process.stderr.close()
+
+
+def stream_then_terminate(process: subprocess.Popen[str], url: str) -> list[str]:
+    """Start a long stream, SIGTERM the server after its first tokens; the stream's payloads."""
+    payloads = []
+    with (
+        httpx.Client(base_url=url, timeout=60) as http,
+        http.stream("POST", "/v1/chat/completions", json=LONG) as response,
+    ):
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payloads.append(line[len("data: ") :])
+            if len(payloads) == 2:
+                process.send_signal(signal.SIGTERM)
+    return payloads
+
+
+@pytest.mark.parametrize("timeout", [60.0, 0.2])
+def test_sigterm_drains_then_exits_zero(tiny_model_dir: Path, timeout: float) -> None:
+    with serve(tiny_model_dir, "--shutdown-timeout", str(timeout)) as (process, url):
+        payloads = stream_then_terminate(process, url)
+        assert process.wait(timeout=60) == 0
+        assert process.stderr is not None
+        log = process.stderr.read()
+    assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
+    last = json.loads(payloads[-2])
+    if timeout > 1:  # the stream had time to finish
+        assert last["choices"][0]["finish_reason"] == "length"
+    else:  # it was cut short: an error event, then [DONE]
+        assert last["error"]["code"] == "aborted"
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in log
+    assert "prompt=" in log and "completion=" in log
+
+
+def test_new_connections_are_refused_while_draining(tiny_model_dir: Path) -> None:
+    with serve(tiny_model_dir, "--shutdown-timeout", "60") as (process, url):
+        with (
+            httpx.Client(base_url=url, timeout=60) as http,
+            http.stream("POST", "/v1/chat/completions", json=LONG) as response,
+        ):
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(httpx.TransportError), httpx.Client(base_url=url) as other:
+                other.get("/health")
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert process.wait(timeout=60) == 0
