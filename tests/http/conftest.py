@@ -39,12 +39,26 @@ async def running_server(
         )
         if wait_ready:
             with trio.fail_after(60):
-                while server.state.engine is None:
-                    await trio.sleep(0.01)
+                await server.state.ready.wait()
         try:
             yield server
         finally:
             nursery.cancel_scope.cancel()
+
+
+async def eventually(predicate: Callable[[], Any], limit: float = 10.0) -> None:
+    """Wait (polling) until `predicate()` is true; fail after `limit` seconds."""
+    with trio.fail_after(limit):
+        for _ in range(int(limit / 0.005) + 1):
+            if await predicate() if _is_async(predicate) else predicate():
+                return
+            await trio.sleep(0.005)
+
+
+def _is_async(fn: Callable[[], Any]) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)
 
 
 @pytest.fixture

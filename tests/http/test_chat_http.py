@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 import trio
-
 from sse import chunks
+
 from trio_mlx.http.server import RunningServer
 
 MESSAGES = [
@@ -15,7 +15,7 @@ MESSAGES = [
 ]
 
 
-def engine_of(server: RunningServer):  # noqa: ANN201
+def engine_of(server: RunningServer):
     assert server.state.engine is not None
     return server.state.engine
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 import trio
 
-from conftest import running_server
+from conftest import eventually, running_server
 from model_wrappers import GatedModel, wrapping_loader
 from trio_mlx.http.server import RunningServer
 
@@ -163,9 +163,9 @@ async def test_busy_engine_is_429_with_retry_after(tiny_model_dir: Path) -> None
                 await response.aread()
 
         nursery.start_soon(hold)
-        with trio.fail_after(10):
-            while server.state.engine.get_stats()["running"] == 0:  # type: ignore[union-attr]
-                await trio.sleep(0.01)
+        engine = server.state.engine
+        assert engine is not None
+        await eventually(lambda: engine.get_stats()["running"] == 1)
         for stream in (False, True):
             response = await http.post(CHAT, json={"messages": MESSAGES, "stream": stream})
             error = assert_error(response, 429)
@@ -222,8 +222,8 @@ async def test_health_is_503_while_loading(tiny_model_dir: Path) -> None:
         assert_error(await http.post(CHAT, json={"messages": MESSAGES}), 503)
         loaded.set()
         with trio.fail_after(30):
-            while (await http.get("/health")).status_code != 200:
-                await trio.sleep(0.01)
+            await server.state.ready.wait()
+        assert (await http.get("/health")).status_code == 200
 
 
 async def test_load_failure_stops_the_server(tmp_path: Path) -> None:

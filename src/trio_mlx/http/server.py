@@ -80,6 +80,7 @@ async def serve_http(
                 settings.model, loader=loader, **settings.engine_options
             ) as engine:
                 state.engine = engine
+                state.ready.set()
                 log.info(
                     "model %s ready (%.1f s); serving as %s",
                     engine.model_name,

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import trio
+
 from trio_mlx.actors.engine import Engine
 from trio_mlx.http.errors import NOT_FOUND, UNAVAILABLE, APIError
 
@@ -40,6 +42,8 @@ class ServerState:
         self.engine: Engine | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+        #: Set once the model is loaded and the engine serves.
+        self.ready = trio.Event()
         self.created = int(time.time())
 
     @property
