@@ -85,6 +85,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="server-wide cap")
     parser.add_argument("--default-max-tokens", type=int, default=256)
     parser.add_argument("--max-kv-size", type=int, default=None)
+    parser.add_argument(
+        "--cache-memory-mb",
+        type=float,
+        default=None,
+        help="memory for the prefix KV cache in MiB (default: half the model's weights, "
+        "256 MiB to 8 GiB; 0 disables it)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     parser.add_argument(
         "--shutdown-timeout",

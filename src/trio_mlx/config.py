@@ -22,6 +22,9 @@ class EngineConfig:
     - `max_tokens_limit`: a server-wide cap; a request asking for more is refused.
     - `max_kv_size`: bound each sequence's KV cache to this many tokens (a rotating cache that
       keeps the first tokens and the most recent ones), for long generations in bounded memory.
+    - `cache_memory_bytes`: memory budget of the prefix KV cache (snapshots of computed prompts
+      reused by later requests that start with the same tokens). None: half the size of the
+      model's weights, between 256 MiB and 8 GiB; 0 disables the cache.
     - `gil_switch_interval`: while the engine runs, lower `sys.setswitchinterval` to this (seconds)
       so that tokens reach the event loop without waiting for the runner thread's GIL slice;
       None leaves the interpreter's setting alone.
@@ -35,6 +38,7 @@ class EngineConfig:
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None
     max_kv_size: int | None = None
+    cache_memory_bytes: int | None = None
     gil_switch_interval: float | None = 0.0005
 
     @property
@@ -54,6 +58,12 @@ class EngineConfig:
             raise ValueError("max_tokens_limit must be >= 1")
         if self.max_kv_size is not None and self.max_kv_size < 8:
             raise ValueError("max_kv_size must be >= 8")
+        if self.cache_memory_bytes is not None and (
+            isinstance(self.cache_memory_bytes, bool)
+            or not isinstance(self.cache_memory_bytes, int)
+            or self.cache_memory_bytes < 0
+        ):
+            raise ValueError("cache_memory_bytes must be an integer >= 0 (0 disables the cache)")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if self.admission == "wait" and self.max_waiting == 0:

@@ -148,6 +148,8 @@ class GenerationOutput:
     tokens: list[int] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
+    #: Of `prompt_tokens`, how many were restored from the prefix cache instead of prefilled.
+    cached_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: FinishReason | None = None
     finished: bool = False

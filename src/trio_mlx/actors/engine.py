@@ -12,10 +12,15 @@ runner's work for the request at its next step boundary and frees the admission 
 synchronous calls in `finally`, so it also happens inside a cancelled scope.
 
 `generate`, `stream_generate`, `chat` and `stream_chat` are the seed's convenience API on top.
+
+Prefix KV cache: requests whose prompt starts with tokens already computed (a shared system
+prompt, the previous turn of a conversation, a retry) prefill only the new tokens; see
+`kv_cache_manager` and the runner. `get_cache_stats()` and `clear_runtime_caches()` expose it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -25,6 +30,8 @@ from functools import partial
 from typing import Any, Unpack
 
 from trio_mlx.actors.admission import AdmissionController
+from trio_mlx.actors.kv_cache import system_prefix_length
+from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.request import ActiveRequest, GenerationStream
 from trio_mlx.actors.runner import ModelInfo, Runner
 from trio_mlx.actors.stream import RequestStream, TokenSink
@@ -47,11 +54,13 @@ class Engine:
         runner: Runner,
         admission: AdmissionController,
         info: ModelInfo,
+        kv_cache: KVCacheManager,
     ) -> None:
         self.config = config
         self.info = info
         self._runner = runner
         self._admission = admission
+        self._kv_cache = kv_cache
         self._decode = decoder_for(info.tokenizer)
         self._preparer = RequestPreparer(
             info.tokenizer,
@@ -124,8 +133,13 @@ class Engine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         **options: Unpack[SamplingOptions],
     ) -> PreparedRequest:
-        """Chat messages rendered through the model's chat template."""
-        return self._preparer.chat(
+        """Chat messages rendered through the model's chat template.
+
+        With the prefix cache on, the rendered system prompt's boundary becomes a cache point:
+        the runner snapshots the cache there, so other conversations with the same system prompt
+        start from it.
+        """
+        request = self._preparer.chat(
             messages,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -135,6 +149,18 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs,
             options=options,
         )
+        if not self._kv_cache.accepts(len(request.prompt_tokens)):
+            return request
+        boundary = system_prefix_length(
+            self.tokenizer,
+            messages,
+            request.prompt_tokens,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        if boundary is None:
+            return request
+        return dataclasses.replace(request, cache_points=(boundary,))
 
     # ---- stage 2: admit and run -------------------------------------------------------------
 
@@ -172,7 +198,11 @@ class Engine:
             )
             self._runner.submit(
                 GenerationJob(
-                    request_id, request.prompt_tokens, request.params, request.logits_processors
+                    request_id,
+                    request.prompt_tokens,
+                    request.params,
+                    request.logits_processors,
+                    store_points=request.cache_points,
                 ),
                 sink,
             )
@@ -310,8 +340,39 @@ class Engine:
 
     # ---- statistics ---------------------------------------------------------------------------
 
+    def get_cache_stats(self) -> dict[str, Any]:
+        """The prefix KV cache, JSON-serialisable: whether it is `enabled` and `supported` (the
+        load-time probe: `cache_types`, `support_reason`), `entries`, `bytes`, `budget_bytes`,
+        `hits`, `misses`, `hit_ratio`, `tokens_saved` (prompt tokens not prefilled), `stores`,
+        `refreshes`, `refused`, `evictions`, `superseded`, `bypassed` (prompts too long for an
+        exact reuse under `max_kv_size`), and the runner's side: `snapshots_held`,
+        `snapshots_taken`, `snapshot_seconds`, `restores`."""
+        stats = self._kv_cache.statistics()
+        counters = self._runner.counters
+        stats.update(
+            snapshots_held=counters.snapshots_held,
+            snapshots_taken=counters.snapshots_taken,
+            snapshot_seconds=counters.snapshot_seconds,
+            snapshot_failures=counters.snapshot_failures,
+            restores=counters.restores,
+        )
+        return stats
+
+    async def clear_runtime_caches(self) -> dict[str, Any]:
+        """Drop every cached prefix (the snapshots on the runner thread and the book) and free
+        MLX's buffer cache, between two steps of whatever is running. Returns what was freed:
+        `entries` and `bytes` (per the book), `snapshots` and `snapshot_bytes` (per the runner;
+        the two agree). Counters are kept. When the runner no longer serves, only the book is
+        emptied (its snapshots went with the thread)."""
+        freed = await self._runner.clear_snapshots()
+        if freed is None:
+            entries, nbytes = self._kv_cache.clear()
+            freed = {"entries": entries, "bytes": nbytes, "snapshots": 0, "snapshot_bytes": 0}
+        return freed
+
     def get_stats(self) -> dict[str, Any]:
-        """A snapshot of the engine: admission, the runner's counters, finished requests."""
+        """A snapshot of the engine: admission, the runner's counters, finished requests, and
+        the prefix cache under `"cache"` (see `get_cache_stats`)."""
         admission = self._admission.book.statistics()
         counters = self._runner.counters
         last = self._last
@@ -343,6 +404,7 @@ class Engine:
                 "failed": counters.failed,
                 "busy_s": counters.busy_seconds,
             },
+            "cache": self.get_cache_stats(),
             "last_request": None
             if last is None
             else {

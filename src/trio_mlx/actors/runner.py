@@ -16,6 +16,19 @@ Protocol:
 A step is one prefill chunk or one decode token for each live sequence (the serialized route has
 at most one). An exception raised by the model fails that request only; anything that kills the
 thread itself fails every live request with `EngineCrashed`.
+
+Prefix caching (when a `KVCacheManager` is attached and enabled): the runner keeps the snapshots
+(`KVSnapshot`, MLX arrays) in its own dict, keyed by the book's entry ids, and changes the book
+only through synchronous calls to the manager on the Trio thread (see `kv_cache_manager`):
+- a new job: `plan(prompt)`; on a hit, the sequence starts from `restore(snapshot, length)` (a
+  copy: the snapshot is never written) and prefills the rest. A hit whose snapshot is missing or
+  fails to restore is forgotten and the job prefills in full.
+- a prefill chunk that ends on one of the job's store points (a chat's system prompt), and the
+  end of a request whose prefill completed (finished, or aborted, e.g. by a stop string): a
+  snapshot of what the cache holds, keyed by `ActiveSequence.fed_tokens()`, reported with
+  `stored(...)` before the step's events are delivered. A request aborted during prefill, or one
+  that failed, stores nothing at its end.
+- `_ClearSnapshots`: drops every snapshot, empties the book, frees MLX's buffer cache.
 """
 
 from __future__ import annotations
@@ -31,9 +44,19 @@ from typing import Any
 
 import trio
 
+from trio_mlx.actors.kv_cache import CacheKind
+from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob
+from trio_mlx.engine.kv_snapshots import (
+    KVSnapshot,
+    SnapshotSupport,
+    cache_support,
+    restore,
+    snapshot,
+)
 from trio_mlx.engine.loading import LoadedModel, load_model
+from trio_mlx.engine.prompt_cache import chunking_exact_limit, make_cache
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason, TokenLogprob
 
@@ -47,7 +70,12 @@ ModelLoader = Callable[[str | Path | None], LoadedModel]
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the rest of the engine may know about the loaded model (no MLX objects)."""
+    """What the rest of the engine may know about the loaded model (no MLX objects).
+
+    `cache_support`: whether the model's prompt cache (as built with the engine's `max_kv_size`)
+    can be snapshotted; `exact_prompt_limit`: see `prompt_cache.chunking_exact_limit`;
+    `weights_bytes`: memory of the model's parameters (sets the default cache budget).
+    """
 
     name: str
     path: Path
@@ -56,6 +84,9 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
     tokenizer: Any
     config: dict[str, Any] = field(default_factory=dict)
+    cache_support: SnapshotSupport | None = None
+    exact_prompt_limit: int | None = None
+    weights_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +98,8 @@ class SequenceEvent:
     finish: FinishReason | None = None
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    #: Prompt tokens restored from the prefix cache rather than prefilled.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +110,29 @@ class _Start:
 @dataclass(frozen=True)
 class _Abort:
     request_id: int
+    #: Snapshot the sequence if its prefill is complete (not when the engine is closing).
+    store: bool = True
+
+
+class _Reply:
+    """A one-shot answer from the runner thread, resolved on the Trio thread."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.value: dict[str, Any] | None = None
+
+    def resolve(self, value: dict[str, Any] | None) -> None:
+        if not self.event.is_set():
+            self.value = value
+            self.event.set()
+
+
+@dataclass(frozen=True)
+class _ClearSnapshots:
+    reply: _Reply
+
+
+_Command = _Start | _Abort | _ClearSnapshots
 
 
 @dataclass
@@ -93,6 +149,13 @@ class RunnerCounters:
     failed: int = 0
     busy_seconds: float = 0.0
     live: int = 0
+    #: Prefix cache: snapshots taken, their total seconds, restores done, snapshots held now.
+    snapshots_taken: int = 0
+    snapshot_seconds: float = 0.0
+    snapshot_failures: int = 0
+    restores: int = 0
+    cached_prompt_tokens: int = 0
+    snapshots_held: int = 0
 
 
 class Runner:
@@ -110,13 +173,17 @@ class Runner:
         self._prefill_step_size = prefill_step_size
         self._max_kv_size = max_kv_size
         self._loader = loader
-        self._commands: queue.SimpleQueue[_Start | _Abort] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = trio.Event()
         self._sinks: dict[int, TokenSink] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self.counters = RunnerCounters()
         self.info: ModelInfo | None = None
         self.crash: BaseException | None = None
+        self._prefix_cache: KVCacheManager | None = None
+        self._snapshots: dict[int, KVSnapshot] = {}  # runner thread only
+        self._replies: set[_Reply] = set()
+        self._serving = False
 
     # ---- Trio side -------------------------------------------------------------------------
 
@@ -131,7 +198,7 @@ class Runner:
         def report_ready(info: ModelInfo) -> None:
             nonlocal started
             self.info = info
-            started = True
+            started = self._serving = True
             task_status.started(info)
 
         try:
@@ -146,8 +213,30 @@ class Runner:
             self.fail_all("error", f"the engine crashed: {type(exc).__name__}: {exc}")
             # The engine can no longer serve: the owner of the engine learns it through `crash`.
         finally:
+            self._serving = False
+            for reply in list(self._replies):
+                reply.resolve(None)
             if started:
                 self.fail_all("abort", None)
+
+    def use_prefix_cache(self, manager: KVCacheManager) -> None:
+        """Attach the kv_cache actor. Call once, before the first `submit`."""
+        self._prefix_cache = manager
+
+    async def clear_snapshots(self) -> dict[str, Any] | None:
+        """Drop every snapshot on the runner thread, empty the book, and free MLX's buffer cache,
+        between two steps. Returns what was freed, or None when the runner is not serving."""
+        if not self._serving or self.crash is not None:
+            return None
+        reply = _Reply()
+        self._replies.add(reply)
+        try:
+            self._commands.put(_ClearSnapshots(reply))
+            self._wakeup.set()
+            await reply.event.wait()
+        finally:
+            self._replies.discard(reply)
+        return reply.value
 
     def submit(self, job: GenerationJob, sink: TokenSink) -> None:
         """Queue `job`; its tokens will be pushed into `sink`."""
@@ -168,7 +257,7 @@ class Runner:
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
             sink.push(finish=finish, error=error)
-            self._commands.put(_Abort(request_id))
+            self._commands.put(_Abort(request_id, store=False))
 
     @property
     def in_flight(self) -> int:
@@ -185,7 +274,9 @@ class Runner:
             sink = self._sinks.get(event.request_id)
             if sink is None:
                 continue  # aborted meanwhile
-            if not sink.push(event.tokens, event.finish, event.error, event.logprobs):
+            if not sink.push(
+                event.tokens, event.finish, event.error, event.logprobs, event.cached_tokens
+            ):
                 self.abort(event.request_id)
             elif event.finish is not None:
                 del self._sinks[event.request_id]
@@ -200,12 +291,15 @@ class Runner:
         try:
             self._serve_on_this_thread(report_ready)
         finally:
+            self._snapshots.clear()  # MLX arrays are released on their own thread
+            self.counters.snapshots_held = 0
             thread.name = previous_name
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
 
         loaded = self._loader(self._model_spec)
+        probe = make_cache(loaded.model, self._max_kv_size)
         info = ModelInfo(
             name=loaded.name,
             path=loaded.path,
@@ -214,7 +308,11 @@ class Runner:
             eos_token_ids=loaded.eos_token_ids,
             tokenizer=loaded.tokenizer,
             config=loaded.config,
+            cache_support=cache_support(probe),
+            exact_prompt_limit=chunking_exact_limit(probe),
+            weights_bytes=_weights_bytes(loaded.model),
         )
+        del probe
         trio.from_thread.run_sync(report_ready, info)
         assert self._token is not None
         deliver = self._token.run_sync_soon
@@ -243,7 +341,10 @@ class Runner:
                         counters.failed += 1
                         events.append(
                             SequenceEvent(
-                                request_id, finish="error", error=f"{type(exc).__name__}: {exc}"
+                                request_id,
+                                finish="error",
+                                error=f"{type(exc).__name__}: {exc}",
+                                cached_tokens=seq.cached_tokens,
                             )
                         )
                         continue
@@ -253,13 +354,23 @@ class Runner:
                     else:
                         counters.decode_steps += 1
                     counters.generated_tokens += len(result.tokens)
+                    if result.at_store_point:
+                        self._store(seq, "system")
+                    if result.finish is not None:
+                        del live[request_id]
+                        self._store(seq, "conversation")
                     if result.tokens or result.finish is not None:
                         finish: FinishReason | None = result.finish  # type: ignore[assignment]
                         events.append(
-                            SequenceEvent(request_id, result.tokens, finish, None, result.logprobs)
+                            SequenceEvent(
+                                request_id,
+                                result.tokens,
+                                finish,
+                                None,
+                                result.logprobs,
+                                seq.cached_tokens,
+                            )
                         )
-                    if result.finish is not None:
-                        del live[request_id]
                 counters.steps += 1
                 counters.live = len(live)
                 counters.busy_seconds += time.perf_counter() - began
@@ -280,11 +391,18 @@ class Runner:
             except queue.Empty:
                 break
             if isinstance(command, _Abort):
-                if live.pop(command.request_id, None) is not None:
+                seq = live.pop(command.request_id, None)
+                if seq is not None:
                     self.counters.aborted += 1
+                    if command.store and seq.prefill_done:
+                        self._store(seq, "conversation")
+                continue
+            if isinstance(command, _ClearSnapshots):
+                self._clear_snapshots(command.reply)
                 continue
             job = command.job
             try:
+                cache, cached_tokens = self._restore_for(job)
                 live[job.request_id] = ActiveSequence(
                     job,
                     loaded.model,
@@ -292,6 +410,8 @@ class Runner:
                     self._prefill_step_size,
                     vocab_size=vocab_size,
                     max_kv_size=self._max_kv_size,
+                    cache=cache,
+                    cached_tokens=cached_tokens,
                 )
                 self.counters.started += 1
             except Exception as exc:
@@ -304,6 +424,93 @@ class Runner:
                 )
         self.counters.live = len(live)
         return events
+
+    # ---- prefix cache (runner thread) ----------------------------------------------------
+
+    def _caching(self) -> KVCacheManager | None:
+        manager = self._prefix_cache
+        return manager if manager is not None and manager.enabled else None
+
+    def _restore_for(self, job: GenerationJob) -> tuple[list[Any] | None, int]:
+        """The cache to start `job` from, and how many prompt tokens it holds ((None, 0): a
+        fresh cache, full prefill). Asks the book; restores a copy of the hit's snapshot."""
+        manager = self._caching()
+        if manager is None:
+            return None, 0
+        hit = trio.from_thread.run_sync(manager.plan, job.prompt_tokens)
+        if hit is None:
+            return None, 0
+        snap = self._snapshots.get(hit.entry_id)
+        if snap is not None:
+            try:
+                cache = restore(snap, hit.length)
+            except Exception:
+                log.exception("snapshot %d could not be restored", hit.entry_id)
+            else:
+                self.counters.restores += 1
+                self.counters.cached_prompt_tokens += hit.length
+                return cache, hit.length
+        # Evicted meanwhile, or unusable: forget it and prefill everything.
+        self._snapshots.pop(hit.entry_id, None)
+        self.counters.snapshots_held = len(self._snapshots)
+        trio.from_thread.run_sync(manager.forget, hit.entry_id)
+        return None, 0
+
+    def _store(self, seq: ActiveSequence, kind: CacheKind) -> None:
+        """Snapshot what `seq`'s cache holds now and enter it in the book (at a step boundary)."""
+        manager = self._caching()
+        if manager is None:
+            return
+        tokens = seq.fed_tokens()
+        if not manager.accepts(len(tokens)):
+            return
+        began = time.perf_counter()
+        try:
+            snap = snapshot(seq.cache, len(tokens))
+        except Exception:
+            log.exception("request %d: the cache could not be snapshotted", seq.job.request_id)
+            self.counters.snapshot_failures += 1
+            return
+        self.counters.snapshots_taken += 1
+        self.counters.snapshot_seconds += time.perf_counter() - began
+        decision = trio.from_thread.run_sync(
+            manager.stored, tokens, snap.nbytes, kind, snap.trimmable
+        )
+        for entry_id in decision.dropped:
+            self._snapshots.pop(entry_id, None)
+        if decision.stored:
+            assert decision.entry_id is not None
+            self._snapshots[decision.entry_id] = snap
+        self.counters.snapshots_held = len(self._snapshots)
+
+    def _clear_snapshots(self, reply: _Reply) -> None:
+        import mlx.core as mx
+
+        manager = self._prefix_cache
+        entries, nbytes = (0, 0)
+        if manager is not None:
+            entries, nbytes = trio.from_thread.run_sync(manager.clear)
+        held = len(self._snapshots)
+        held_bytes = sum(snap.nbytes for snap in self._snapshots.values())
+        self._snapshots.clear()
+        self.counters.snapshots_held = 0
+        mx.clear_cache()
+        result = {
+            "entries": entries,
+            "bytes": nbytes,
+            "snapshots": held,
+            "snapshot_bytes": held_bytes,
+        }
+        assert self._token is not None
+        self._token.run_sync_soon(reply.resolve, result)
+
+
+def _weights_bytes(model: Any) -> int:
+    """Bytes held by the model's parameters."""
+    from mlx.utils import tree_flatten
+
+    leaves: Any = tree_flatten(model.parameters())
+    return sum(int(array.nbytes) for _, array in leaves)
 
 
 def _vocab_size(loaded: LoadedModel) -> int:

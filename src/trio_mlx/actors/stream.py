@@ -50,6 +50,8 @@ class TokenSink:
         self.closed = False
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        #: Prompt tokens the runner restored from the prefix cache (known from its first event).
+        self.cached_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -61,12 +63,15 @@ class TokenSink:
         finish: FinishReason | None = None,
         error: str | None = None,
         logprobs: Sequence[TokenLogprob] = (),
+        cached_tokens: int = 0,
     ) -> bool:
         """Add tokens and/or the finish. False when the consumer has gone (the request is dead)."""
         if self.closed:
             return False
         if self._finish is not None:
             return True
+        if cached_tokens:
+            self.cached_tokens = cached_tokens
         if tokens:
             now = time.monotonic()
             if self.first_token_at is None:
@@ -193,6 +198,7 @@ class RequestStream:
             tokens=list(self._tokens),
             new_tokens=new_tokens,
             prompt_tokens=self._prompt_tokens,
+            cached_tokens=self._sink.cached_tokens,
             completion_tokens=len(self._tokens),
             finish_reason=finish,
             finished=finish is not None,

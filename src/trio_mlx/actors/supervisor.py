@@ -21,8 +21,10 @@ import trio
 
 from trio_mlx.actors.admission import AdmissionBook, AdmissionController
 from trio_mlx.actors.engine import Engine
-from trio_mlx.actors.runner import ModelLoader, Runner
+from trio_mlx.actors.kv_cache_manager import KVCacheManager
+from trio_mlx.actors.runner import ModelInfo, ModelLoader, Runner
 from trio_mlx.config import EngineConfig
+from trio_mlx.engine.kv_snapshots import SnapshotSupport
 from trio_mlx.engine.loading import load_model
 from trio_mlx.errors import EngineCrashed
 
@@ -62,7 +64,9 @@ async def _serve(
         except Exception as exc:  # raised as it is, not inside this nursery's ExceptionGroup
             load_error = exc
         else:
-            engine = Engine(cfg, runner, admission, info)
+            kv_cache = _kv_cache_manager(cfg, info)
+            runner.use_prefix_cache(kv_cache)
+            engine = Engine(cfg, runner, admission, info, kv_cache)
             try:
                 task_status.started(engine)
                 await trio.sleep_forever()
@@ -71,6 +75,17 @@ async def _serve(
                 nursery.cancel_scope.cancel()
     if load_error is not None:
         raise load_error
+
+
+def _kv_cache_manager(cfg: EngineConfig, info: ModelInfo) -> KVCacheManager:
+    """The kv_cache actor for the loaded model: its budget and whether its cache takes part."""
+    support = info.cache_support or SnapshotSupport(False, False, "not probed", ())
+    return KVCacheManager.for_model(
+        cfg.cache_memory_bytes,
+        support,
+        weights_bytes=info.weights_bytes,
+        exact_prompt_limit=info.exact_prompt_limit,
+    )
 
 
 @contextmanager

@@ -10,6 +10,11 @@ first logits. Without logits processors each decode step queues the next token's
 (`mx.async_eval`) before reading the current one, so the device never waits on Python. While
 logits processors are active, steps run one at a time (a processor must see every token before
 it shapes the next); once every retiring processor has retired, pipelining resumes.
+
+Prefix caching: a sequence may start from a restored cache that already holds the first
+`cached_tokens` prompt tokens (it then prefills only the rest), and its prefill chunks end exactly
+at the job's `store_points` so that the runner can snapshot the cache there. `fed_tokens` tells
+which tokens the cache holds at any step boundary (the key of a snapshot taken then).
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
+from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.types import SamplingParams, TokenLogprob
 
@@ -42,12 +47,15 @@ class GenerationJob:
     (callables that will run on the runner thread).
 
     `max_tokens` in `params` is already capped to what fits in the model's context.
+    `store_points`: prompt lengths worth a snapshot during prefill (a chat's system-prompt
+    boundary); prefill chunks end there. Only points in `1..len(prompt_tokens) - 1` are used.
     """
 
     request_id: int
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
+    store_points: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,13 +64,15 @@ class StepResult:
 
     `tokens` are new completion tokens (EOS never included), with their `logprobs` when asked for.
     `finish` is `"stop"` (EOS) or `"length"` (max_tokens) when the sequence is done, else None.
-    `prefilled` counts the prompt tokens processed by this step.
+    `prefilled` counts the prompt tokens processed by this step. `at_store_point`: this prefill
+    chunk ended on one of the job's store points (the cache now holds exactly `fed_tokens`).
     """
 
     tokens: tuple[int, ...] = ()
     finish: str | None = None
     prefilled: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    at_store_point: bool = False
 
 
 class _Pending:
@@ -81,7 +91,12 @@ class _Pending:
 
 
 class ActiveSequence:
-    """The live state of one generation: its KV cache, its sampler and where it has got to."""
+    """The live state of one generation: its KV cache, its sampler and where it has got to.
+
+    `cache`, when given, is a live prompt cache already holding the first `cached_tokens` prompt
+    tokens (a restored snapshot, `1 <= cached_tokens < len(prompt)`); it becomes this sequence's
+    own. Otherwise a fresh cache is made (`prompt_cache.make_cache`, bounded by `max_kv_size`).
+    """
 
     def __init__(
         self,
@@ -92,21 +107,34 @@ class ActiveSequence:
         *,
         vocab_size: int,
         max_kv_size: int | None = None,
+        cache: list[Any] | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
+        if cache is None:
+            cached_tokens = 0
+        elif not 0 < cached_tokens < len(job.prompt_tokens):
+            raise ValueError(
+                f"a restored cache must hold 1..{len(job.prompt_tokens) - 1} prompt tokens, "
+                f"not {cached_tokens}"
+            )
         self.job = job
         self._model = model
         self._eos = eos_token_ids
         self._prefill_step_size = max(1, prefill_step_size)
-        self._cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+        self._cache = make_cache(model, max_kv_size) if cache is None else cache
+        self.cached_tokens = cached_tokens
+        last = len(job.prompt_tokens) - 1
+        self._store_points = sorted({p for p in job.store_points if cached_tokens < p <= last})
+        self._fed_generated: list[int] = []  # generated tokens that went through the model
         self._selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
         self._processors: list[LogitsProcessor] = list(job.logits_processors)
         self._history: Any = (
             mx.array(job.prompt_tokens, dtype=mx.int32) if self._processors else None
         )
         self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
-        self._prompt_done = 0
+        self._prompt_done = cached_tokens
         self._current: _Pending | None = None  # the token being computed for the consumer
         self.generated = 0
         self.finished = False
@@ -119,6 +147,23 @@ class ActiveSequence:
     def active_processors(self) -> int:
         return len(self._processors)
 
+    @property
+    def cache(self) -> list[Any]:
+        """The live prompt cache (snapshot it only at a step boundary)."""
+        return self._cache
+
+    @property
+    def prefill_done(self) -> bool:
+        """Every prompt token has gone through the model."""
+        return self._prompt_done >= len(self.job.prompt_tokens)
+
+    def fed_tokens(self) -> tuple[int, ...]:
+        """The tokens the cache holds at this step boundary, in order: the prompt tokens
+        processed so far, then the generated tokens fed back (a token is fed when the next one
+        is computed, so an EOS is fed on the pipelined path, and the last token of a
+        `max_tokens` finish never is)."""
+        return self.job.prompt_tokens[: self._prompt_done] + tuple(self._fed_generated)
+
     def step(self) -> StepResult:
         """Advance by one prefill chunk or one token. Raises whatever the model raises."""
         if self.finished:
@@ -126,12 +171,18 @@ class ActiveSequence:
         remaining = len(self.job.prompt_tokens) - self._prompt_done
         if remaining > 1:
             n = min(self._prefill_step_size, remaining - 1)
+            points = self._store_points
+            while points and points[0] <= self._prompt_done:
+                points.pop(0)
+            if points:
+                n = min(n, points[0] - self._prompt_done)
             chunk = self._prompt[self._prompt_done : self._prompt_done + n]
             self._model(chunk[None], cache=self._cache)
             mx.eval([c.state for c in self._cache])
             self._prompt_done += n
             mx.clear_cache()
-            return StepResult(prefilled=n)
+            at_point = bool(points) and points[0] == self._prompt_done
+            return StepResult(prefilled=n, at_store_point=at_point)
         if self._current is None:
             last = self._prompt[self._prompt_done :]
             self._prompt_done += len(last)
@@ -174,6 +225,8 @@ class ActiveSequence:
                 upcoming = self._forward(current.token)
                 mx.async_eval(*upcoming.arrays())
         self._current = upcoming
+        if upcoming is not None:
+            self._fed_generated.append(token)
         if token in self._eos:
             self.finished = True
             return StepResult(finish="stop", prefilled=prefilled)

@@ -38,8 +38,9 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    make_prompt_cache,
 )
+
+from trio_mlx.engine.prompt_cache import make_cache
 
 __all__ = [
     "KVSnapshot",
@@ -401,6 +402,6 @@ def cache_support(cache: Sequence[Any]) -> SnapshotSupport:
 
 
 def probe_snapshot_support(model: Any, max_kv_size: int | None = None) -> SnapshotSupport:
-    """Whether this model's prompt cache (as `make_prompt_cache(model, max_kv_size)` builds it,
-    the way the engine builds it) can take part in prefix caching. Call once at load."""
-    return cache_support(make_prompt_cache(model, max_kv_size=max_kv_size))
+    """Whether this model's prompt cache (as the engine builds it: `prompt_cache.make_cache(model,
+    max_kv_size)`) can take part in prefix caching. Call once at load."""
+    return cache_support(make_cache(model, max_kv_size))
