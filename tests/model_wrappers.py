@@ -94,3 +94,22 @@ def wrapping_loader(
         return dataclasses.replace(loaded, model=wrapped)
 
     return loader, made
+
+
+class PausingModel(_Wrapped):
+    """Holds the first forward pass that starts at or past `pause_at` cached positions until the
+    test sets `resume`; `paused` is set while it waits (to stop the runner mid-prefill at a
+    known place)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.pause_at: int | None = None
+        self.paused = threading.Event()
+        self.resume = threading.Event()
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        before = cache[0].offset if cache else 0
+        if self.pause_at is not None and before >= self.pause_at and not self.resume.is_set():
+            self.paused.set()
+            self.resume.wait(timeout=30)
+        return self._inner(tokens, cache=cache)

@@ -61,15 +61,15 @@ class PreparedRequest:
 
     `params.max_tokens` is already capped to the room the context leaves after the prompt.
     Logits processors carry state: prepare a request again rather than running it twice.
-    `cache_points`: prompt lengths where a prefix-cache snapshot is worth taking during prefill
-    (the rendered system prompt of a chat; set by the engine when its prefix cache is on).
+    `system_prefix`: how many leading prompt tokens render the chat's system prompt (a prefix
+    cache point; set by the engine when its prefix cache is on).
     """
 
     prompt_tokens: tuple[int, ...]
     params: SamplingParams
     logits_processors: tuple[LogitsProcessor, ...] = ()
     reasoning: ReasoningTags | None = None
-    cache_points: tuple[int, ...] = ()
+    system_prefix: int | None = None
 
 
 class RequestPreparer:

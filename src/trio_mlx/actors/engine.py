@@ -149,7 +149,7 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs,
             options=options,
         )
-        if not self._kv_cache.accepts(len(request.prompt_tokens)):
+        if not self._kv_cache.enabled:
             return request
         boundary = system_prefix_length(
             self.tokenizer,
@@ -160,7 +160,7 @@ class Engine:
         )
         if boundary is None:
             return request
-        return dataclasses.replace(request, cache_points=(boundary,))
+        return dataclasses.replace(request, system_prefix=boundary)
 
     # ---- stage 2: admit and run -------------------------------------------------------------
 
@@ -202,7 +202,9 @@ class Engine:
                     request.prompt_tokens,
                     request.params,
                     request.logits_processors,
-                    store_points=request.cache_points,
+                    store_points=self._kv_cache.store_points(
+                        len(request.prompt_tokens), request.system_prefix
+                    ),
                 ),
                 sink,
             )

@@ -40,8 +40,9 @@ __all__ = [
     "system_prefix_length",
 ]
 
-#: "system": the rendered system prompt of a chat; "conversation": a whole prompt + completion.
-CacheKind = Literal["system", "conversation"]
+#: "system": the rendered system prompt of a chat; "prompt": a request's prompt but its last token
+#: (kept where the final entry is of no use to a retry); "conversation": a prompt + completion.
+CacheKind = Literal["system", "prompt", "conversation"]
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,17 @@ class KVCacheManager:
             return None
         return self.book.lookup(prompt_tokens)
 
+    def store_points(self, prompt_length: int, system_prefix: int | None) -> tuple[int, ...]:
+        """Prompt lengths at which the runner should snapshot during prefill: the chat's
+        `system_prefix`, and the prompt but its last token where the final entry cannot serve a
+        retry (a cache that cannot be trimmed, or a bounded one the completion may overflow)."""
+        if not self.accepts(prompt_length):
+            return ()
+        points = [] if system_prefix is None else [system_prefix]
+        if not self.support.trimmable or self.exact_prompt_limit is not None:
+            points.append(prompt_length - 1)
+        return tuple(sorted(p for p in set(points) if 0 < p < prompt_length))
+
     def accepts(self, length: int) -> bool:
         """Whether a prompt, or a snapshot, of `length` tokens takes part in caching."""
         limit = self.exact_prompt_limit
@@ -136,6 +147,7 @@ class KVCacheManager:
             "cache_types": dict(Counter(support.layer_types)),
             "exact_prompt_limit": self.exact_prompt_limit,
             "entries": s.entries,
+            "entries_by_kind": dict(Counter(e.kind for e in self.book.entries())),
             "bytes": s.bytes,
             "budget_bytes": s.budget,
             "budget_source": self.budget_source,

@@ -23,7 +23,8 @@ only through synchronous calls to the manager on the Trio thread (see `kv_cache_
 - a new job: `plan(prompt)`; on a hit, the sequence starts from `restore(snapshot, length)` (a
   copy: the snapshot is never written) and prefills the rest. A hit whose snapshot is missing or
   fails to restore is forgotten and the job prefills in full.
-- a prefill chunk that ends on one of the job's store points (a chat's system prompt), and the
+- a prefill chunk that ends on one of the job's store points (a chat's system prompt; the whole
+  prompt but its last token where the final entry cannot serve a retry), and the
   end of a request whose prefill completed (finished, or aborted, e.g. by a stop string): a
   snapshot of what the cache holds, keyed by `ActiveSequence.fed_tokens()`, reported with
   `stored(...)` before the step's events are delivered. A request aborted during prefill, or one
@@ -355,7 +356,7 @@ class Runner:
                         counters.decode_steps += 1
                     counters.generated_tokens += len(result.tokens)
                     if result.at_store_point:
-                        self._store(seq, "system")
+                        self._store(seq, "prompt" if seq.prefill_left == 1 else "system")
                     if result.finish is not None:
                         del live[request_id]
                         self._store(seq, "conversation")

@@ -48,7 +48,8 @@ class GenerationJob:
 
     `max_tokens` in `params` is already capped to what fits in the model's context.
     `store_points`: prompt lengths worth a snapshot during prefill (a chat's system-prompt
-    boundary); prefill chunks end there. Only points in `1..len(prompt_tokens) - 1` are used.
+    boundary, the prompt but its last token); prefill chunks end there. Only points in
+    `1..len(prompt_tokens) - 1` are used.
     """
 
     request_id: int
@@ -151,6 +152,11 @@ class ActiveSequence:
     def cache(self) -> list[Any]:
         """The live prompt cache (snapshot it only at a step boundary)."""
         return self._cache
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens not yet through the model (the last one goes with the first decode)."""
+        return len(self.job.prompt_tokens) - self._prompt_done
 
     @property
     def prefill_done(self) -> bool:
