@@ -1,64 +1,16 @@
-"""An HTTP server over the tiny model, in the test's own Trio run, on 127.0.0.1 port 0."""
+"""Fixtures: an HTTP server over the tiny model, in the test's own Trio run, and clients."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from functools import partial
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
-import trio
 
-from trio_mlx.engine.loading import load_model
-from trio_mlx.http.server import RunningServer, serve_http
-from trio_mlx.http.state import ServerSettings
-
-
-@asynccontextmanager
-async def running_server(
-    model: Path,
-    *,
-    loader: Callable[..., Any] = load_model,
-    wait_ready: bool = True,
-    **settings: Any,
-) -> AsyncIterator[RunningServer]:
-    """Start a server (port 0), wait until its model is loaded, stop it on exit. Keywords that
-    are not `ServerSettings` fields are engine options (`prefill_step_size=8`, ...)."""
-    settings.setdefault("port", 0)
-    fields = {f.name for f in dataclasses.fields(ServerSettings)}
-    engine_options = {k: settings.pop(k) for k in list(settings) if k not in fields}
-    settings["engine_options"] = engine_options
-    async with trio.open_nursery() as nursery:
-        server: RunningServer = await nursery.start(
-            partial(serve_http, ServerSettings(model=model, **settings), loader=loader)
-        )
-        if wait_ready:
-            with trio.fail_after(60):
-                await server.state.ready.wait()
-        try:
-            yield server
-        finally:
-            nursery.cancel_scope.cancel()
-
-
-async def eventually(predicate: Callable[[], Any], limit: float = 10.0) -> None:
-    """Wait (polling) until `predicate()` is true; fail after `limit` seconds."""
-    with trio.fail_after(limit):
-        for _ in range(int(limit / 0.005) + 1):
-            if await predicate() if _is_async(predicate) else predicate():
-                return
-            await trio.sleep(0.005)
-
-
-def _is_async(fn: Callable[[], Any]) -> bool:
-    import inspect
-
-    return inspect.iscoroutinefunction(fn)
+from servers import running_server
+from trio_mlx.http.server import RunningServer
 
 
 @pytest.fixture

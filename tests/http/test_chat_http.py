@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 import trio
-from sse import chunks
 
+from sse import chunks
 from trio_mlx.http.server import RunningServer
 
 MESSAGES = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 import openai
-from sse import chunks
 
+from sse import chunks
 from trio_mlx.http.server import RunningServer
 
 PROMPT = "The quick brown fox"

@@ -11,8 +11,8 @@ import httpx
 import trio
 from websockets.sync.client import connect
 
-from conftest import running_server
 from model_wrappers import GatedModel, wrapping_loader
+from servers import running_server
 from trio_mlx.actors.engine import Engine
 from trio_mlx.http.server import RunningServer
 

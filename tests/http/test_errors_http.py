@@ -11,8 +11,8 @@ import openai
 import pytest
 import trio
 
-from conftest import eventually, running_server
 from model_wrappers import GatedModel, wrapping_loader
+from servers import eventually, running_server
 from trio_mlx.http.server import RunningServer
 
 CHAT = "/v1/chat/completions"

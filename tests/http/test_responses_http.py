@@ -7,9 +7,9 @@ import json
 import httpx
 import openai
 import trio
-from sse import named_events
 from websockets.sync.client import connect
 
+from sse import named_events
 from trio_mlx.http.server import RunningServer
 
 INSTRUCTIONS = "You are terse."
