@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +53,12 @@ def record_of(scope: Any) -> RequestRecord:
 
 
 class AccessLog:
-    """Wraps an ASGI app; logs each HTTP request and WebSocket session once, when it ends."""
+    """Wraps an ASGI app; logs each HTTP request and WebSocket session once, when it ends, and
+    hands the request's record to `on_end` (the metrics)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, on_end: Callable[[RequestRecord, float], None]) -> None:
         self.app = app
+        self.on_end = on_end
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -77,7 +80,11 @@ class AccessLog:
         try:
             await self.app(scope, receive, logged_send)
         finally:
-            _write(scope, status[0] if status else 499, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            _write(scope, status[0] if status else 499, elapsed)
+            record = scope.get(RECORD_KEY)
+            if record is not None:
+                self.on_end(record, elapsed)
 
 
 def _write(scope: dict[str, Any], status: int, elapsed: float) -> None:

@@ -32,6 +32,7 @@ from trio_mlx.http.errors import (
     from_validation_error,
 )
 from trio_mlx.http.generation import SSE_HEADERS, sse_event
+from trio_mlx.http.metrics import Metrics
 from trio_mlx.http.objects import Health, ModelCard, ModelList
 from trio_mlx.http.openapi import openapi_document
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest, ResponsesRequest
@@ -52,8 +53,9 @@ def create_app(state: ServerState) -> QuartTrio:
         BODY_TIMEOUT=60,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
-    app.asgi_app = AccessLog(app.asgi_app)  # type: ignore[method-assign,assignment]
-    _routes(app, state)
+    metrics = Metrics()
+    app.asgi_app = AccessLog(app.asgi_app, metrics.observe)  # type: ignore[method-assign,assignment]
+    _routes(app, state, metrics)
     _error_handlers(app)
     return app
 
@@ -98,7 +100,7 @@ async def read_body(model: type[M]) -> M:
         raise from_validation_error(exc) from None
 
 
-def _routes(app: QuartTrio, state: ServerState) -> None:
+def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions")
     async def chat_route() -> Response:
         body = await read_body(ChatCompletionRequest)
@@ -176,6 +178,17 @@ def _routes(app: QuartTrio, state: ServerState) -> None:
     async def cache_clear_route() -> Response:
         engine, _ = state.engine_for(None)
         return _json(await engine.clear_runtime_caches())
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        engine = state.engine
+        names = state.model_names
+        text = metrics.render(
+            names[0] if names else "",
+            engine.get_stats() if engine is not None else None,
+            engine.get_cache_stats() if engine is not None else None,
+        )
+        return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/openapi.json")
     async def openapi_route() -> Response:

@@ -29,7 +29,6 @@ from trio_mlx.http.generation import (
     outputs,
     prepare,
     sse,
-    usage_counts,
 )
 from trio_mlx.http.objects import (
     AssistantMessage,
@@ -153,7 +152,6 @@ class _Reply:
         return final
 
     def completion(self, final: GenerationOutput, *, with_logprobs: bool) -> ChatCompletion:
-        prompt, completion, total = usage_counts(final)
         return ChatCompletion(
             id=self.id,
             created=self.created,
@@ -169,7 +167,7 @@ class _Reply:
                     finish_reason="length" if final.finish_reason == "length" else "stop",
                 )
             ],
-            usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total),
+            usage=Usage.of(final),
         )
 
     def _chunk(
@@ -223,10 +221,7 @@ class _Reply:
                     ChatDelta(), logprobs=self._take(pending, out), finish_reason=reason
                 )
                 if include_usage:
-                    prompt, completion, total = usage_counts(out)
-                    usage = Usage(
-                        prompt_tokens=prompt, completion_tokens=completion, total_tokens=total
-                    )
+                    usage = Usage.of(out)
                     yield sse(
                         ChatCompletionChunk(
                             id=self.id,

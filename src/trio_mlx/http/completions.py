@@ -25,7 +25,6 @@ from trio_mlx.http.generation import (
     outputs,
     prepare,
     sse,
-    usage_counts,
 )
 from trio_mlx.http.objects import Completion, CompletionChoice, CompletionLogprobs, Usage
 from trio_mlx.http.requests import CompletionRequest
@@ -108,13 +107,12 @@ class _Reply:
             detail = error["error"]
             status = 503 if final.finish_reason == "abort" else 500
             raise APIError(status, detail["message"], type=detail["type"], code=detail["code"])
-        prompt, completion, total = usage_counts(final)
         choice = CompletionChoice(
             text=self.echo + final.text,
             logprobs=self._logprobs(final.logprobs or [], len(self.echo)),
             finish_reason="length" if final.finish_reason == "length" else "stop",
         )
-        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
+        usage = Usage.of(final)
         return self._body(choice, usage)
 
     async def stream(
@@ -153,10 +151,7 @@ class _Reply:
                     ).dump()
                 )
                 if include_usage:
-                    prompt, completion, total = usage_counts(out)
-                    usage = Usage(
-                        prompt_tokens=prompt, completion_tokens=completion, total_tokens=total
-                    )
+                    usage = Usage.of(out)
                     yield sse(
                         Completion(
                             id=self.id,

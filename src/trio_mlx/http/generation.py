@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from trio_mlx.actors.engine import Engine
@@ -90,14 +90,6 @@ def failure(final: GenerationOutput) -> dict[str, Any] | None:
     return None
 
 
-def usage_counts(final: GenerationOutput) -> tuple[int, int, int]:
-    return (
-        final.prompt_tokens,
-        final.completion_tokens,
-        final.prompt_tokens + final.completion_tokens,
-    )
-
-
 class TokenText:
     """Token ids as the strings and bytes the logprobs shapes report (cached per token)."""
 
@@ -158,8 +150,3 @@ async def final_output(active: ActiveRequest) -> GenerationOutput:
         if output.finished:
             return output
     raise AssertionError("a request stream ended without a final output")  # pragma: no cover
-
-
-async def aiter_bytes(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        yield chunk

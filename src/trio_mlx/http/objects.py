@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from trio_mlx.types import GenerationOutput
+
 
 class _Out(BaseModel):
     def dump(self) -> dict[str, Any]:
@@ -30,10 +32,27 @@ class ErrorResponse(_Out):
     error: ErrorDetail
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
 class Usage(_Out):
+    """Token counts; `prompt_tokens_details.cached_tokens` are prompt tokens served from the
+    prefix KV cache (not prefilled again)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, final: GenerationOutput) -> Usage:
+        return cls(
+            prompt_tokens=final.prompt_tokens,
+            completion_tokens=final.completion_tokens,
+            total_tokens=final.prompt_tokens + final.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=final.cached_tokens),
+        )
 
 
 # ---- logprobs ----------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from trio_mlx.http.generation import admit, failure, new_id, outputs, prepare
 from trio_mlx.http.objects import (
     ErrorDetail,
     IncompleteDetails,
+    InputTokensDetails,
     OutputMessage,
     OutputText,
     ResponseObject,
@@ -120,6 +121,7 @@ class ResponseRun:
                 input_tokens=final.prompt_tokens,
                 output_tokens=final.completion_tokens,
                 total_tokens=final.prompt_tokens + final.completion_tokens,
+                input_tokens_details=InputTokensDetails(cached_tokens=final.cached_tokens),
             )
             if final.finish_reason == "length":
                 incomplete = IncompleteDetails(reason="max_output_tokens")
