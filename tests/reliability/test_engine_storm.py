@@ -41,6 +41,7 @@ async def test_an_abandonment_storm_leaves_nothing_behind(
 ) -> None:
     requests = 400 if long_run else 40
     rng = random.Random(1234)
+    token_rng = random.Random(5678)
     outcomes: dict[str, int] = {}
     refusals: list[int] = []
     config = {"max_waiting": requests, "max_wait": 60.0} if admission == "wait" else {}
@@ -64,8 +65,9 @@ async def test_an_abandonment_storm_leaves_nothing_behind(
 
         async def attempt() -> None:
             where = rng.choice(["queue", "prefill", "decode", "finish"])
-            # Distinct prompts: a prefix-cache hit would skip the prefill this storm aborts.
-            prompt = [rng.randrange(300, 40000) for _ in range(rng.randint(20, 200))]
+            # Distinct prompts (from their own generator, so that `rng` drives the same storm):
+            # a prefix-cache hit would skip the prefill this storm is to abort.
+            prompt = [token_rng.randrange(300, 40000) for _ in range(rng.randint(20, 200))]
             request = engine.prepare_generate(prompt, max_tokens=rng.randint(5, 60))
             queue_patience = 0.001 * rng.random() if where == "queue" else 120.0
             with trio.move_on_after(queue_patience) as waited:
