@@ -66,11 +66,11 @@ SHAPES: dict[str, dict[str, int]] = {
     },
 }
 
-WORDS = (
-    "the model answers every question with care and cites the relevant policy section when a "
-    "customer asks about refunds shipping warranty returns accounts billing invoices passwords "
-    "privacy security orders delivery tracking discounts coupons subscriptions cancellations"
-).split()
+TOPICS = (
+    "the model answers every question with care and cites the relevant policy section "
+    "when a customer asks about refunds shipping warranty returns accounts billing "
+    "invoices passwords privacy security orders delivery tracking discounts coupons"
+)
 
 
 def build_model(out: Path, shape: str, dtype: str) -> Path:
@@ -103,9 +103,10 @@ def no_eos_loader(spec: str | Path | None) -> LoadedModel:
 
 def system_prompt(tokenizer: Any, n_tokens: int) -> str:
     rng = random.Random(0)
+    vocabulary = TOPICS.split(" ")
     words: list[str] = []
     while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < n_tokens:
-        words.extend(rng.choice(WORDS) for _ in range(50))
+        words.extend(rng.choice(vocabulary) for _ in range(50))
     return "You are the support assistant of Example Corp. " + " ".join(words)
 
 
