@@ -1,13 +1,17 @@
 """The runner: the one long-lived thread that owns the model and every MLX array.
 
 MLX streams are per thread, so exactly one thread loads the model and runs every step. The thread
-is started once by `Runner.run` (`trio.to_thread.run_sync` with its own limiter, never abandoned).
+is started once by `Runner.run` as a dedicated `threading.Thread` and joined when the runner stops,
+so that MLX's per-thread state (streams, the compile cache) is torn down while the interpreter is
+alive; a thread borrowed from Trio's worker cache would tear it down whenever that idle worker
+exits, possibly during interpreter shutdown, which aborts the process.
 
 Protocol:
 - Trio -> runner: `submit(job, sink)` and `abort(request_id)`, both synchronous and non-blocking.
   Commands go through a thread-safe queue; the thread reads it between steps without a thread
-  hop. While it has no work the thread parks in `trio.from_thread.run(...)`, which is where a
-  cancelled engine reaches it; while busy it polls `trio.from_thread.check_cancelled()`.
+  hop. While it has no work the thread parks on a `threading.Event`; a stop request (the `run`
+  task cancelled: the engine is closing) wakes it, and while busy it checks for one before each
+  step.
 - runner -> Trio: after each step, one `StepEvent` with every live request's new tokens, finishes
   and errors, handed over with `TrioToken.run_sync_soon` (the thread never waits for the event
   loop). On the Trio side `_deliver` fans it out to each request's `TokenSink`; a sink whose
@@ -34,6 +38,7 @@ only through synchronous calls to the manager on the Trio thread (see `kv_cache_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import outcome
 import trio
 
 from trio_mlx.actors.kv_cache import CacheKind
@@ -175,7 +181,8 @@ class Runner:
         self._max_kv_size = max_kv_size
         self._loader = loader
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._wakeup = trio.Event()
+        self._wakeup = threading.Event()  # set whenever a command is queued, or to stop
+        self._stop = threading.Event()
         self._sinks: dict[int, TokenSink] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self.counters = RunnerCounters()
@@ -203,9 +210,7 @@ class Runner:
             task_status.started(info)
 
         try:
-            await trio.to_thread.run_sync(
-                self._thread_main, report_ready, limiter=trio.CapacityLimiter(1)
-            )
+            await self._run_thread(report_ready)
         except Exception as exc:
             if not started:
                 raise
@@ -219,6 +224,31 @@ class Runner:
                 reply.resolve(None)
             if started:
                 self.fail_all("abort", None)
+
+    async def _run_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
+        """Run `_thread_main` on a dedicated thread until it returns; re-raise what it raised.
+        Cancelled: ask the thread to stop at its next step boundary and wait for it (shielded),
+        then re-raise the cancellation."""
+        token = trio.lowlevel.current_trio_token()
+        finished = trio.Event()
+        result: list[outcome.Outcome[None]] = []
+
+        def body() -> None:
+            result.append(outcome.capture(self._thread_main, report_ready))
+            with contextlib.suppress(trio.RunFinishedError):  # the run is gone: nobody waits
+                token.run_sync_soon(finished.set)
+
+        thread = threading.Thread(target=body, name=RUNNER_THREAD_NAME, daemon=True)
+        thread.start()
+        try:
+            await finished.wait()
+        finally:
+            self._stop.set()
+            self._wakeup.set()
+            with trio.CancelScope(shield=True):
+                await finished.wait()
+            thread.join()
+        result[0].unwrap()
 
     def use_prefix_cache(self, manager: KVCacheManager) -> None:
         """Attach the kv_cache actor. Call once, before the first `submit`."""
@@ -264,10 +294,15 @@ class Runner:
     def in_flight(self) -> int:
         return len(self._sinks)
 
-    async def _wait_for_command(self) -> None:
+    def _wait_for_command(self) -> bool:
+        """On the runner thread: block until a command is queued (True) or a stop is asked
+        (False)."""
         while self._commands.empty():
-            self._wakeup = trio.Event()
-            await self._wakeup.wait()
+            if self._stop.is_set():
+                return False
+            self._wakeup.wait()
+            self._wakeup.clear()
+        return not self._stop.is_set()
 
     def _deliver(self, events: tuple[SequenceEvent, ...]) -> None:
         """On the Trio thread: fan one step's events out to the requests' sinks."""
@@ -285,16 +320,12 @@ class Runner:
     # ---- runner thread ---------------------------------------------------------------------
 
     def _thread_main(self, report_ready: Callable[[ModelInfo], None]) -> None:
-        """Body of the runner thread: named `RUNNER_THREAD_NAME` while it runs (Trio reuses its
-        worker threads, so the name is given back on the way out)."""
-        thread = threading.current_thread()
-        previous_name, thread.name = thread.name, RUNNER_THREAD_NAME
+        """Body of the runner thread (named `RUNNER_THREAD_NAME`)."""
         try:
             self._serve_on_this_thread(report_ready)
         finally:
             self._snapshots.clear()  # MLX arrays are released on their own thread
             self.counters.snapshots_held = 0
-            thread.name = previous_name
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
@@ -314,7 +345,7 @@ class Runner:
             weights_bytes=_weights_bytes(loaded.model),
         )
         del probe
-        trio.from_thread.run_sync(report_ready, info)
+        trio.from_thread.run_sync(report_ready, info, trio_token=self._token)
         assert self._token is not None
         deliver = self._token.run_sync_soon
         live: dict[int, ActiveSequence] = {}
@@ -322,10 +353,8 @@ class Runner:
         stream = mx.new_stream(mx.default_device())
         with mx.stream(stream):
             while True:
-                if live:
-                    trio.from_thread.check_cancelled()
-                else:
-                    trio.from_thread.run(self._wait_for_command)
+                if self._stop.is_set() or (not live and not self._wait_for_command()):
+                    return
                 events = self._take_commands(live, loaded)
                 if not live:
                     if events:
@@ -438,7 +467,7 @@ class Runner:
         manager = self._caching()
         if manager is None:
             return None, 0
-        hit = trio.from_thread.run_sync(manager.plan, job.prompt_tokens)
+        hit = trio.from_thread.run_sync(manager.plan, job.prompt_tokens, trio_token=self._token)
         if hit is None:
             return None, 0
         snap = self._snapshots.get(hit.entry_id)
@@ -454,7 +483,7 @@ class Runner:
         # Evicted meanwhile, or unusable: forget it and prefill everything.
         self._snapshots.pop(hit.entry_id, None)
         self.counters.snapshots_held = len(self._snapshots)
-        trio.from_thread.run_sync(manager.forget, hit.entry_id)
+        trio.from_thread.run_sync(manager.forget, hit.entry_id, trio_token=self._token)
         return None, 0
 
     def _store(self, seq: ActiveSequence, kind: CacheKind) -> None:
@@ -475,7 +504,7 @@ class Runner:
         self.counters.snapshots_taken += 1
         self.counters.snapshot_seconds += time.perf_counter() - began
         decision = trio.from_thread.run_sync(
-            manager.stored, tokens, snap.nbytes, kind, snap.trimmable
+            manager.stored, tokens, snap.nbytes, kind, snap.trimmable, trio_token=self._token
         )
         for entry_id in decision.dropped:
             self._snapshots.pop(entry_id, None)
@@ -490,7 +519,7 @@ class Runner:
         manager = self._prefix_cache
         entries, nbytes = (0, 0)
         if manager is not None:
-            entries, nbytes = trio.from_thread.run_sync(manager.clear)
+            entries, nbytes = trio.from_thread.run_sync(manager.clear, trio_token=self._token)
         held = len(self._snapshots)
         held_bytes = sum(snap.nbytes for snap in self._snapshots.values())
         self._snapshots.clear()
