@@ -14,6 +14,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import RotatingKVCache
 
 import trio_mlx
 from model_wrappers import ScriptedModel, wrapping_loader
@@ -229,11 +230,15 @@ async def test_a_rotating_kv_cache_matches_mlx_lm_past_its_size(tiny_model_dir: 
         prompt = list(engine.prepare_generate(PROMPT).prompt_tokens)
         out = await engine.generate(prompt, max_tokens=60, temperature=0.0)
     model, _ = mlx_lm.load(str(tiny_model_dir))
+    # Rotating caches built explicitly: mlx-lm's `max_kv_size=` is ignored for llama (its own
+    # `make_cache` wins), which would compare against an unbounded cache.
+    rotating = [RotatingKVCache(max_size=32, keep=4) for _ in model.layers]
     reference = [
-        t for t, _ in generate_step(mx.array(prompt), model, max_tokens=60, max_kv_size=32)
+        t for t, _ in generate_step(mx.array(prompt), model, max_tokens=60, prompt_cache=rotating)
     ]
     assert out.tokens == reference[: len(out.tokens)]
     assert out.completion_tokens == 60
+    assert all(c.keys.shape[2] == 32 for c in rotating)
 
 
 async def test_a_server_wide_max_tokens_limit_refuses_larger_requests(tiny_model_dir: Path) -> None:
