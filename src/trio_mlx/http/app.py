@@ -88,10 +88,7 @@ async def read_body(model: type[M]) -> M:
             code="unsupported_media_type",
         )
     raw = await request.get_data()
-    try:
-        payload = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    payload = _parse_json(raw, "body")
     if not isinstance(payload, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     try:
@@ -207,11 +204,17 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
         )
 
 
-def _socket_request(message: str | bytes) -> ResponsesRequest:
+def _parse_json(raw: str | bytes, what: str) -> Any:
     try:
-        payload = json.loads(message)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the message is not valid JSON: {exc}", code="invalid_json") from None
+        raise APIError(400, f"the {what} is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the {what} is nested too deeply", code="invalid_json") from None
+
+
+def _socket_request(message: str | bytes) -> ResponsesRequest:
+    payload = _parse_json(message, "message")
     if not isinstance(payload, dict):
         raise APIError(400, "a message must be a JSON object", code="invalid_json")
     kind = payload.pop("type", None)
