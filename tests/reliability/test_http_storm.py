@@ -215,3 +215,35 @@ async def test_model_faults_fail_one_request_and_the_server_keeps_serving(
         good = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4
         assert (await http.get("/health")).status_code == 200
+
+
+async def test_a_dead_runner_turns_health_503_and_requests_get_503(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trio_mlx.actors.runner import Runner
+
+    original = Runner._take_commands
+    calls = {"n": 0}
+
+    def dying(self: Runner, live: Any, loaded: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the runner loop itself broke")
+        return original(self, live, loaded)
+
+    monkeypatch.setattr(Runner, "_take_commands", dying)
+    async with (
+        running_server(tiny_model_dir) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        assert (await http.get("/health")).status_code == 200
+        body = {"prompt": "x", "max_tokens": 50, "stream": True}
+        response = await http.post("/v1/completions", json=body)
+        payloads = response.text.split("\n\n")
+        assert payloads[-2] == "data: [DONE]"
+        assert json.loads(payloads[-3][len("data: ") :])["error"]["code"] == "generation_error"
+        health = await http.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "dead"
+        refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "engine_crashed"
