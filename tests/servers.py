@@ -1,15 +1,21 @@
-"""Running the real HTTP server in a test's own Trio run, on 127.0.0.1 port 0."""
+"""Running the real HTTP server in a test's own Trio run, or as a `trio-mlx serve` process,
+on 127.0.0.1 port 0."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 from trio_mlx.engine.loading import load_model
@@ -51,3 +57,39 @@ async def eventually(predicate: Callable[[], Any], limit: float = 10.0) -> None:
             if await predicate() if inspect.iscoroutinefunction(predicate) else predicate():
                 return
             await trio.sleep(0.005)
+
+
+@contextmanager
+def serve_process(model: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`python -m trio_mlx serve MODEL --port 0 ARGS`; yields the process and its URL once
+    /health says ready; kills it on exit if it is still running."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trio_mlx", "serve", str(model), "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stderr is not None
+        url = None
+        for line in process.stderr:
+            if "listening on " in line:
+                url = line.strip().split("listening on ", 1)[1]
+                break
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(600):
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        if process.stderr is not None:
+            process.stderr.close()

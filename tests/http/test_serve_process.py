@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+
+from servers import serve_process
 
 LONG = {
     "messages": [{"role": "user", "content": "Count forever."}],
@@ -21,40 +19,6 @@ LONG = {
     "temperature": 0,
     "stream": True,
 }
-
-
-@contextmanager
-def serve(model: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "trio_mlx", "serve", str(model), "--port", "0", *args],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        assert process.stderr is not None
-        url = None
-        for line in process.stderr:
-            if "listening on " in line:
-                url = line.strip().split("listening on ", 1)[1]
-                break
-        assert url is not None and url.startswith("http://127.0.0.1:")
-        with httpx.Client(base_url=url, timeout=30) as http:
-            for _ in range(600):
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=30)
-        if process.stderr is not None:
-            process.stderr.close()
 
 
 def stream_then_terminate(process: subprocess.Popen[str], url: str) -> list[str]:
@@ -76,7 +40,7 @@ def stream_then_terminate(process: subprocess.Popen[str], url: str) -> list[str]
 
 @pytest.mark.parametrize("timeout", [60.0, 0.2])
 def test_sigterm_drains_then_exits_zero(tiny_model_dir: Path, timeout: float) -> None:
-    with serve(tiny_model_dir, "--shutdown-timeout", str(timeout)) as (process, url):
+    with serve_process(tiny_model_dir, "--shutdown-timeout", str(timeout)) as (process, url):
         payloads = stream_then_terminate(process, url)
         assert process.wait(timeout=60) == 0
         assert process.stderr is not None
@@ -92,7 +56,7 @@ def test_sigterm_drains_then_exits_zero(tiny_model_dir: Path, timeout: float) ->
 
 
 def test_new_connections_are_refused_while_draining(tiny_model_dir: Path) -> None:
-    with serve(tiny_model_dir, "--shutdown-timeout", "60") as (process, url):
+    with serve_process(tiny_model_dir, "--shutdown-timeout", "60") as (process, url):
         with (
             httpx.Client(base_url=url, timeout=60) as http,
             http.stream("POST", "/v1/chat/completions", json=LONG) as response,
