@@ -197,6 +197,7 @@ async def test_health_models_status_openapi(server: RunningServer, http: httpx.A
         "/v1/status",
         "/v1/cache/stats",
         "/v1/cache",
+        "/metrics",
     ):
         assert path in doc["paths"], path
     chat = doc["paths"]["/v1/chat/completions"]["post"]

@@ -154,6 +154,17 @@ def openapi_document() -> dict[str, Any]:
         "/v1/cache/stats": {"get": _get("Prefix KV-cache statistics", any_object, "503")},
         "/v1/cache": {"delete": _get("Drop every cached prefix", any_object, "503")},
         "/openapi.json": {"get": _get("This document", any_object)},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (text exposition format, trio_mlx: namespace)",
+                "responses": {
+                    "200": {
+                        "description": "Success",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
     }
     return {
         "openapi": "3.1.0",
