@@ -144,10 +144,12 @@ class Prompts:
         )  # byte-level BPE: "Ġword" is " word", one token
         self._overhead: int | None = None
 
-    def messages(self, words: list[str]) -> list[dict[str, str]]:
+    def messages(self, words: list[str], seed: int = 0) -> list[dict[str, str]]:
+        # A short system message of its own (so no two requests share more than the template's
+        # first tokens, and a server's system-prompt snapshot stays small), the words as the user's.
         return [
-            {"role": "system", "content": " ".join(words)},
-            {"role": "user", "content": "Continue."},
+            {"role": "system", "content": f"Session {seed}."},
+            {"role": "user", "content": " ".join(words)},
         ]
 
     def ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -161,7 +163,7 @@ class Prompts:
             self._overhead = len(self.ids(self.messages([])))
         rng = random.Random(seed)
         words = [rng.choice(self.words) for _ in range(max(1, n_tokens - self._overhead))]
-        messages = self.messages(words)
+        messages = self.messages(words, seed)
         return messages, self.ids(messages)
 
 
@@ -328,6 +330,11 @@ async def served_name(server: Server) -> str:
 
 def vllm_problem(python: str) -> str | None:
     """Why vllm-mlx's server cannot run from `python` (None if it imports)."""
+    if python == "none":
+        return (
+            "not installed on this host: vllm-mlx needs mlx-lm<0.32 (this host has 0.32) and ~20 "
+            "further packages, and the host has no package index"
+        )
     if not Path(python).exists():
         return f"no vllm-mlx venv: {python} does not exist"
     try:
@@ -1171,9 +1178,11 @@ async def main(args: argparse.Namespace) -> None:
             "HTTP systems: streaming /v1/chat/completions read by the "
             + ("`openai` AsyncOpenAI client" if args.client == "openai" else "httpx SSE reader")
             + " in the harness process (max_retries=0).",
-            "Each request: its own random prompt (SmolLM2-vocabulary words in a system message, "
-            "chat template applied), shared by all systems within a cell, never reused: no "
-            "prefix-cache hits. `prompt` is the target length; the actual length is in the JSON.",
+            "Each request: its own random prompt (a short system message with a number of its "
+            "own, then SmolLM2-vocabulary words as the user message, chat template applied), "
+            "shared by all systems within a cell, never reused: no prefix-cache hits beyond the "
+            "template's first tokens. `prompt` is the target length; the actual length is in "
+            "the JSON.",
             "raw mlx-lm runs bursts one request after the other (no batching); TTFT and e2e of "
             "every system are counted from the start of the burst, so they include queueing.",
             "trio-mlx HTTP server started with --admission wait --max-waiting 64 --max-wait 600 "
@@ -1236,7 +1245,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--client", choices=("openai", "httpx"), default="openai")
     parser.add_argument("--out", default="docs/benchmarks/compare")
     parser.add_argument("--workdir", default="/tmp/trio-mlx-compare")
-    parser.add_argument("--vllm-python", default="/tmp/venv-vllm-mlx/bin/python")
+    parser.add_argument(
+        "--vllm-python",
+        default="/tmp/venv-vllm-mlx/bin/python",
+        help="the venv python with vllm-mlx; none: not installed here",
+    )
     parser.add_argument("--http-args", default="", help="extra arguments for trio-mlx serve")
     parser.add_argument("--mlx-lm-server-args", dest="mlx_lm_server_args", default="")
     parser.add_argument("--vllm-mlx-args", dest="vllm_mlx_args", default="")

@@ -14,6 +14,7 @@ Every built directory carries the SmolLM2 tokenizer and chat template (from the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,10 +128,21 @@ def build_llama(
     return out
 
 
+def _tokenizer_dir() -> Path | None:
+    """Where to copy the tokenizer from instead of the bundled GGUF (for hosts without it)."""
+    where = os.environ.get("TRIO_MLX_BENCH_TOKENIZER")
+    return Path(where) if where else None
+
+
 def resolve_subject(spec: str, workdir: Path) -> Subject:
-    """The model directory for a `--model` spec (see the module docstring)."""
+    """The model directory for a `--model` spec (see the module docstring).
+
+    Built directories take their tokenizer from $TRIO_MLX_BENCH_TOKENIZER (a directory holding
+    tokenizer.json and tokenizer_config.json) when set, else from the bundled GGUF.
+    """
+    tok = _tokenizer_dir()
     if spec == "tiny":
-        path = build_llama(workdir / "tiny", "tiny", dtype="float32", scale=4.0)
+        path = build_llama(workdir / "tiny", "tiny", dtype="float32", scale=4.0, tokenizer_from=tok)
         return Subject(spec, path, "random llama, 2 layers, hidden 64, fp32", True)
     if spec == "smollm2":
         from trio_mlx.engine.model_spec import resolve_model_path
@@ -144,10 +156,12 @@ def resolve_subject(spec: str, workdir: Path) -> Subject:
             raise SystemExit(f"unknown shape {shape!r} in {spec!r}: {sorted(SHAPES)}")
         dtypes = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
         if kind in dtypes:
-            path = build_llama(workdir / name, shape, dtype=dtypes[kind])
+            path = build_llama(workdir / name, shape, dtype=dtypes[kind], tokenizer_from=tok)
             return Subject(spec, path, f"random llama {shape} shape, {kind}", True)
         if kind.startswith("q") and kind[1:].isdigit():
-            path = build_llama(workdir / name, shape, dtype="bfloat16", bits=int(kind[1:]))
+            path = build_llama(
+                workdir / name, shape, dtype="bfloat16", bits=int(kind[1:]), tokenizer_from=tok
+            )
             return Subject(spec, path, f"random llama {shape} shape, {kind[1:]}-bit (g64)", True)
         raise SystemExit(f"unknown kind {kind!r} in {spec!r}: bf16, fp16, fp32 or q<bits>")
     path = Path(spec).expanduser()

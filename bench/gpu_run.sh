@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# bench/compare.py on the H200 host: synthetic Llama-3.2-1B (bf16) and Llama-3-8B (4-bit) shapes,
+# raw mlx-lm vs the trio-mlx engine vs `trio-mlx serve` vs mlx_lm.server, in about 8 minutes.
+# (vllm-mlx is not installable there: it needs mlx-lm<0.32 and a package index; it is skipped
+# with that reason.)
+#
+# Here, in the checkout (once):
+#   bash bench/gpu_run.sh stage
+#     = ../shared/gpu/stage-wheels with the versions of /tmp/venv pinned, plus the SmolLM2
+#       tokenizer files in .whl/2/tokenizer (the host cannot fetch the GGUF they come from)
+# On the GPU host (device tool, from the checkout root):
+#   step 1, carry [".whl/1"]:  bash .whl/1/on-gpu-host stash
+#   step 2, carry [".whl/2"]:  bash .whl/2/on-gpu-host install && bash bench/gpu_run.sh
+# The results land in $OUT (JSON, markdown, a label-less PNG as matplotlib is absent there, and
+# logs.tar.gz). Back here, redraw the plot with matplotlib:
+#   python -m bench.compare --render docs/benchmarks/<name>.json
+#
+# Budget knobs (seconds after which no new cell starts, per model): DEADLINE_1B, DEADLINE_8B;
+# REPEATS (default 2). Each model's run is also killed (SIGINT: it still writes what it has and
+# stops its servers) TIMEOUT_PAD seconds after its deadline.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel 2>/dev/null || dirname "$(dirname "$(readlink -f "$0")")")"
+
+# Versions as installed in /tmp/venv (Python 3.11 there; the host has 3.12: stage-wheels fetches
+# cp312 wheels). These are what trio-mlx, its HTTP stack and the openai client need that the host
+# lacks or may have too old; mlx/mlx-cuda-13/mlx-lm come pinned from stage-wheels itself.
+PINS=(
+  trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1 sortedcontainers==2.4.0 attrs==26.1.0
+  hypercorn==0.18.0 h11==0.16.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 priority==2.0.0
+  wsproto==1.3.2
+  quart==0.22.0 quart-trio==0.12.0 blinker==1.9.0 flask==3.1.3 itsdangerous==2.2.0
+  aiofiles==25.1.0
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  typing-extensions==4.16.0
+  openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 idna==3.20
+  anyio==4.16.0
+)
+
+if [[ "${1:-}" == "stage" ]]; then
+  ../shared/gpu/stage-wheels "${PINS[@]}"
+  tok=$(/tmp/venv/bin/python -c 'from trio_mlx.engine.model_spec import resolve_model_path as r; print(r(None).path)')
+  mkdir -p .whl/2/tokenizer
+  cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .whl/2/tokenizer/
+  [[ -f "$tok/special_tokens_map.json" ]] && cp "$tok/special_tokens_map.json" .whl/2/tokenizer/
+  du -sh .whl/1 .whl/2
+  exit 0
+fi
+
+: "${OUT:?OUT must name the folder for the results}"
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export TRIO_MLX_BENCH_TOKENIZER=${TRIO_MLX_BENCH_TOKENIZER:-$PWD/.whl/2/tokenizer}
+python3 -c 'import mlx.core as mx, trio, hypercorn, quart_trio, pydantic, openai, mlx_lm; print("ready:", mx.default_device())'
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+
+REPEATS=${REPEATS:-2}
+DEADLINE_1B=${DEADLINE_1B:-150}
+DEADLINE_8B=${DEADLINE_8B:-200}
+TIMEOUT_PAD=${TIMEOUT_PAD:-90}
+WORK=/tmp/trio-mlx-compare
+common=(--systems raw,engine,http,mlx_lm_server,vllm_mlx --prompt-tokens 128,2048 --max-tokens 256
+        --concurrency 1,4,16 --repeats "$REPEATS" --workdir "$WORK" --cell-timeout-s 120
+        --server-start-timeout-s 180 --vllm-python none)
+stamp=$(date +%Y-%m-%d)
+status=0
+timeout -s INT $((DEADLINE_1B + TIMEOUT_PAD)) python3 -m bench.compare --model synthetic:llama-1b-bf16 \
+  "${common[@]}" --deadline-s "$DEADLINE_1B" --out "$OUT/$stamp-h200-llama-1b-bf16" || status=$?
+timeout -s INT $((DEADLINE_8B + TIMEOUT_PAD)) python3 -m bench.compare --model synthetic:llama-8b-q4 \
+  "${common[@]}" --deadline-s "$DEADLINE_8B" --out "$OUT/$stamp-h200-llama-8b-q4" || status=$?
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
+ls -la "$OUT"
+exit $status
