@@ -205,16 +205,36 @@ def gpu_memory_mb() -> dict[int, float]:
     return usage
 
 
+def gpu_used_mb() -> float | None:
+    """Memory in use on the whole GPU (all processes), where nvidia-smi can tell."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+        return sum(float(x) for x in out.split())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 class GpuSampler:
-    """Peak GPU memory per process, sampled every second while a cell runs."""
+    """Peak GPU memory per process (and of the whole GPU), sampled every second."""
 
     def __init__(self) -> None:
         self.enabled = shutil.which("nvidia-smi") is not None
         self.peak: dict[int, float] = {}
+        self.total_peak: float | None = None  # reset per cell
 
     def sample(self) -> None:
+        if not self.enabled:
+            return
         for pid, mb in gpu_memory_mb().items():
             self.peak[pid] = max(self.peak.get(pid, 0.0), mb)
+        used = gpu_used_mb()
+        if used is not None:
+            self.total_peak = max(self.total_peak or 0.0, used)
 
     async def run(self) -> None:
         import trio
@@ -738,12 +758,14 @@ async def run_model(
         def shared_loader(_spec: object) -> Any:
             return loaded  # the weights raw mlx-lm uses: evaluated arrays, safe across threads
 
+        model_report["engine_weights"] = "own copy" if args.engine_own_weights else "shared"
+
         async with contextlib.AsyncExitStack() as stack:
             if "engine" in systems:
                 runners.engine = await stack.enter_async_context(
                     trio_mlx.open_engine(
                         subject.path,
-                        loader=shared_loader,
+                        loader=load_model if args.engine_own_weights else shared_loader,
                         admission="wait",
                         max_waiting=64,
                         max_wait=600.0,
@@ -784,9 +806,9 @@ async def measure(
 
     n = args.max_tokens
     # Warm-up: every system, every prompt length alone, and every burst size on the shortest.
-    warm = [(p, 1) for p in args.prompt_tokens] + [
-        (min(args.prompt_tokens), c) for c in args.concurrency if c > 1
-    ]
+    warm = [(p, 1) for p in args.prompt_tokens]
+    if not args.no_warmup_bursts:  # batched kernels of each burst size (compiled on first use)
+        warm += [(min(args.prompt_tokens), c) for c in args.concurrency if c > 1]
     seed = 10**6
     for system in systems:
         started = time.perf_counter()
@@ -827,6 +849,7 @@ async def measure(
                     continue
                 if system in ("raw", "engine"):
                     mx.reset_peak_memory()
+                gpu.total_peak = None
                 gpu.sample()
                 started = time.perf_counter()
                 results: list[RequestResult] = []
@@ -840,6 +863,9 @@ async def measure(
                     row["mlx_peak_mb"] = mx.get_peak_memory() / 2**20
                 if system in runners.servers:
                     row.update(runners.servers[system].memory(gpu))
+                if gpu.enabled:
+                    gpu.sample()
+                    row["gpu_total_used_peak_mb"] = gpu.total_peak
                 row["requests_detail"] = [
                     {
                         "ttft_ms": None if r.ttft_s is None else 1e3 * r.ttft_s,
@@ -1084,6 +1110,9 @@ def render_png(report: dict[str, Any], out: Path) -> str:
                     color=colours[system],
                 )
         ax.set_xscale("log", base=2)
+        levels = sorted({r["concurrency"] for r in summary})
+        ax.set_xticks(levels)
+        ax.set_xticklabels([str(c) for c in levels])
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel("aggregate tok/s (median)")
         ax.set_title(f"{model['spec']}: aggregate, prompt {p0}")
@@ -1192,7 +1221,8 @@ async def main(args: argparse.Namespace) -> None:
             "Ratios (×raw, ΔTTFT) are against raw mlx-lm in the same repeat and cell, median over "
             "repeats. Peak RSS: the server process's VmHWM. Peak MLX/GPU: mx.get_peak_memory() "
             "per cell for raw and engine (same process, shared weights), nvidia-smi per-process "
-            "memory sampled each second for servers on a GPU host.",
+            "memory sampled each second for servers on a GPU host (gpu_total_used_peak_mb in the "
+            "JSON: the whole GPU, all processes, per cell).",
         ],
         "models": [],
     }
@@ -1242,6 +1272,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=ints, default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-tokens", type=int, default=16)
+    parser.add_argument(
+        "--engine-own-weights",
+        action="store_true",
+        help="the engine loads its own copy of the model (default: raw mlx-lm's weights)",
+    )
+    parser.add_argument(
+        "--no-warmup-bursts", action="store_true", help="warm up with single requests only"
+    )
     parser.add_argument("--client", choices=("openai", "httpx"), default="openai")
     parser.add_argument("--out", default="docs/benchmarks/compare")
     parser.add_argument("--workdir", default="/tmp/trio-mlx-compare")

@@ -15,7 +15,8 @@
 # logs.tar.gz). Back here, redraw the plot with matplotlib:
 #   python -m bench.compare --render docs/benchmarks/<name>.json
 #
-# Budget knobs (seconds after which no new cell starts, per model): DEADLINE_1B, DEADLINE_8B;
+# Knobs: MODELS (default "synthetic:llama-1b-bf16 synthetic:llama-8b-q4"; one per command if the
+# two do not fit one call), DEADLINE_1B / DEADLINE_8B (seconds after which no new cell starts),
 # REPEATS (default 2). Each model's run is also killed (SIGINT: it still writes what it has and
 # stops its servers) TIMEOUT_PAD seconds after its deadline.
 set -euo pipefail
@@ -54,19 +55,26 @@ python3 -c 'import mlx.core as mx, trio, hypercorn, quart_trio, pydantic, openai
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 
 REPEATS=${REPEATS:-2}
-DEADLINE_1B=${DEADLINE_1B:-150}
-DEADLINE_8B=${DEADLINE_8B:-200}
+MODELS=${MODELS:-"synthetic:llama-1b-bf16 synthetic:llama-8b-q4"}
+DEADLINE_1B=${DEADLINE_1B:-130}
+DEADLINE_8B=${DEADLINE_8B:-170}
 TIMEOUT_PAD=${TIMEOUT_PAD:-90}
 WORK=/tmp/trio-mlx-compare
 common=(--systems raw,engine,http,mlx_lm_server,vllm_mlx --prompt-tokens 128,2048 --max-tokens 256
         --concurrency 1,4,16 --repeats "$REPEATS" --workdir "$WORK" --cell-timeout-s 120
-        --server-start-timeout-s 180 --vllm-python none)
+        --server-start-timeout-s 180 --vllm-python none --engine-own-weights)
 stamp=$(date +%Y-%m-%d)
 status=0
-timeout -s INT $((DEADLINE_1B + TIMEOUT_PAD)) python3 -m bench.compare --model synthetic:llama-1b-bf16 \
-  "${common[@]}" --deadline-s "$DEADLINE_1B" --out "$OUT/$stamp-h200-llama-1b-bf16" || status=$?
-timeout -s INT $((DEADLINE_8B + TIMEOUT_PAD)) python3 -m bench.compare --model synthetic:llama-8b-q4 \
-  "${common[@]}" --deadline-s "$DEADLINE_8B" --out "$OUT/$stamp-h200-llama-8b-q4" || status=$?
+for model in $MODELS; do
+  case "$model" in
+    *-1b-*) deadline=$DEADLINE_1B ;;
+    *-8b-*) deadline=$DEADLINE_8B ;;
+    *) deadline=${DEADLINE_OTHER:-150} ;;
+  esac
+  name=${model#synthetic:}
+  timeout -s INT $((deadline + TIMEOUT_PAD)) python3 -m bench.compare --model "$model" \
+    "${common[@]}" --deadline-s "$deadline" --out "$OUT/$stamp-h200-$name" || status=$?
+done
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
 ls -la "$OUT"
 exit $status
