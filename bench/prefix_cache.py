@@ -11,6 +11,7 @@ the ratio cached/cold (the target of issue 4 is at most 0.10).
 
     python bench/prefix_cache.py --shape smollm2-135m --system-tokens 2000 --repeats 3
     python bench/prefix_cache.py --shape tiny --json /tmp/prefix.json
+    python bench/prefix_cache.py --model default      # the real bundled SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -134,7 +135,15 @@ def turn(messages: list[dict[str, str]], reply: str, question: str) -> list[dict
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    path = build_model(Path(args.workdir) / f"{args.shape}-{args.dtype}", args.shape, args.dtype)
+    path: str | Path | None
+    if args.model == "default":
+        path = None  # the bundled SmolLM2-135M-Instruct (real weights)
+    elif args.model:
+        path = args.model
+    else:
+        path = build_model(
+            Path(args.workdir) / f"{args.shape}-{args.dtype}", args.shape, args.dtype
+        )
     rows: list[dict[str, Any]] = []
     async with trio_mlx.open_engine(
         path, loader=no_eos_loader, cache_memory_bytes=args.cache_mb * 2**20
@@ -183,8 +192,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         return statistics.median(float(r[key]) for r in rows)
 
     summary = {
-        "shape": args.shape,
-        "dtype": args.dtype,
+        "model": args.model or f"synthetic {args.shape} {args.dtype}",
         "device": str(mx.default_device()),
         "system_tokens": args.system_tokens,
         "repeats": args.repeats,
@@ -205,6 +213,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a model spec instead of a synthetic shape ('default': the bundled SmolLM2-135M)",
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--system-tokens", type=int, default=2000)

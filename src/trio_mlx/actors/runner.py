@@ -503,9 +503,14 @@ class Runner:
             return
         self.counters.snapshots_taken += 1
         self.counters.snapshot_seconds += time.perf_counter() - began
-        decision = trio.from_thread.run_sync(
-            manager.stored, tokens, snap.nbytes, kind, snap.trimmable, trio_token=self._token
-        )
+        try:
+            decision = trio.from_thread.run_sync(
+                manager.stored, tokens, snap.nbytes, kind, snap.trimmable, trio_token=self._token
+            )
+        except Exception:  # the book refused in some unforeseen way: keep serving, uncached
+            log.exception("request %d: the snapshot could not be entered", seq.job.request_id)
+            self.counters.snapshot_failures += 1
+            return
         for entry_id in decision.dropped:
             self._snapshots.pop(entry_id, None)
         if decision.stored:
