@@ -42,9 +42,10 @@ def stream_then_terminate(process: subprocess.Popen[str], url: str) -> list[str]
 def test_sigterm_drains_then_exits_zero(tiny_model_dir: Path, timeout: float) -> None:
     with serve_process(tiny_model_dir, "--shutdown-timeout", str(timeout)) as (process, url):
         payloads = stream_then_terminate(process, url)
-        assert process.wait(timeout=60) == 0
+        code = process.wait(timeout=60)
         assert process.stderr is not None
         log = process.stderr.read()
+        assert code == 0, log[-3000:]
     assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
     last = json.loads(payloads[-2])
     if timeout > 1:  # the stream had time to finish

@@ -54,21 +54,25 @@ async def test_an_abandonment_storm_leaves_nothing_behind(
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
         async def client() -> None:
-            # A refused client retries after a pause, as the openai client does (bounded).
-            for _attempt in range(100):
+            # Each client picks where it will give up once; a refused client retries after a
+            # pause, as the openai client does (bounded), with the same plan.
+            where = rng.choice(["queue", "prefill", "decode", "finish"])
+            for _attempt in range(1000):
                 try:
-                    return await attempt()
+                    return await attempt(where)
                 except trio_mlx.EngineBusy:
                     refusals.append(1)
                     await trio.sleep(0.01 * rng.random())
             count("refused")
 
-        async def attempt() -> None:
-            where = rng.choice(["queue", "prefill", "decode", "finish"])
+        async def attempt(where: str) -> None:
             # Distinct prompts (from their own generator, so that `rng` drives the same storm):
             # a prefix-cache hit would skip the prefill this storm is to abort.
             prompt = [token_rng.randrange(300, 40000) for _ in range(rng.randint(20, 200))]
-            request = engine.prepare_generate(prompt, max_tokens=rng.randint(5, 60))
+            # A client that leaves mid-decode asks for far more tokens than it reads, so that its
+            # request is still running when it leaves, however fast the runner is.
+            max_tokens = rng.randint(300, 600) if where == "decode" else rng.randint(5, 60)
+            request = engine.prepare_generate(prompt, max_tokens=max_tokens)
             queue_patience = 0.001 * rng.random() if where == "queue" else 120.0
             with trio.move_on_after(queue_patience) as waited:
                 async with engine.open_stream(request) as stream:
@@ -97,7 +101,10 @@ async def test_an_abandonment_storm_leaves_nothing_behind(
         assert sum(outcomes.values()) == requests
         stats = engine.get_stats()
         # The storm did abandon requests while they were running, not only before admission.
-        assert stats["runner"]["aborted"] > 0 and outcomes.get("abandoned", 0) > 0
+        assert stats["runner"]["aborted"] > 0 and outcomes.get("abandoned", 0) > 0, (
+            outcomes,
+            stats,
+        )
         assert_nothing_held(engine)
         out = await engine.generate("after the storm", max_tokens=5, temperature=0.0)
         assert out.completion_tokens == 5

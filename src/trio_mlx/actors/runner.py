@@ -1,10 +1,9 @@
 """The runner: the one long-lived thread that owns the model and every MLX array.
 
 MLX streams are per thread, so exactly one thread loads the model and runs every step. The thread
-is started once by `Runner.run` as a dedicated `threading.Thread` and joined when the runner stops,
-so that MLX's per-thread state (streams, the compile cache) is torn down while the interpreter is
-alive; a thread borrowed from Trio's worker cache would tear it down whenever that idle worker
-exits, possibly during interpreter shutdown, which aborts the process.
+runs on a thread from `runner_threads` (process-wide, parked between engines, never exiting: see
+there why MLX's thread-local state must not be torn down by a thread exit), from `Runner.run`
+until the runner stops.
 
 Protocol:
 - Trio -> runner: `submit(job, sink)` and `abort(request_id)`, both synchronous and non-blocking.
@@ -53,6 +52,11 @@ import trio
 
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
+from trio_mlx.actors.runner_threads import RUNNER_THREAD_NAME as RUNNER_THREAD_NAME
+from trio_mlx.actors.runner_threads import (
+    runner_stream,
+    start_runner_thread,
+)
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob
 from trio_mlx.engine.kv_snapshots import (
@@ -70,7 +74,6 @@ from trio_mlx.types import FinishReason, TokenLogprob
 log = logging.getLogger(__name__)
 
 #: The runner thread's name while it serves (Trio's worker threads are reused afterwards).
-RUNNER_THREAD_NAME = "trio-mlx-runner"
 
 ModelLoader = Callable[[str | Path | None], LoadedModel]
 
@@ -226,7 +229,7 @@ class Runner:
                 self.fail_all("abort", None)
 
     async def _run_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
-        """Run `_thread_main` on a dedicated thread until it returns; re-raise what it raised.
+        """Run `_thread_main` on a runner thread until it returns; re-raise what it raised.
         Cancelled: ask the thread to stop at its next step boundary and wait for it (shielded),
         then re-raise the cancellation."""
         token = trio.lowlevel.current_trio_token()
@@ -235,11 +238,12 @@ class Runner:
 
         def body() -> None:
             result.append(outcome.capture(self._thread_main, report_ready))
+
+        def done() -> None:
             with contextlib.suppress(trio.RunFinishedError):  # the run is gone: nobody waits
                 token.run_sync_soon(finished.set)
 
-        thread = threading.Thread(target=body, name=RUNNER_THREAD_NAME, daemon=True)
-        thread.start()
+        start_runner_thread(body, done)
         try:
             await finished.wait()
         finally:
@@ -247,7 +251,6 @@ class Runner:
             self._wakeup.set()
             with trio.CancelScope(shield=True):
                 await finished.wait()
-            thread.join()
         result[0].unwrap()
 
     def use_prefix_cache(self, manager: KVCacheManager) -> None:
@@ -350,8 +353,7 @@ class Runner:
         deliver = self._token.run_sync_soon
         live: dict[int, ActiveSequence] = {}
         counters = self.counters
-        stream = mx.new_stream(mx.default_device())
-        with mx.stream(stream):
+        with mx.stream(runner_stream()):
             while True:
                 if self._stop.is_set() or (not live and not self._wait_for_command()):
                     return

@@ -1,0 +1,79 @@
+"""The threads runners run on: process-wide, parked between engines, never exiting.
+
+MLX keeps per-thread state in C++ thread-locals (streams, the `mx.compile` cache). Those are
+destroyed when their thread exits, and the compile cache's destructor takes the GIL to release
+Python functions. If that happens while the interpreter is finalizing — after `Thread.join()`
+returned, the native thread may still be running its thread-local destructors — CPython ends the
+thread in the middle of a C++ destructor and the process aborts ("terminate called without an
+active exception"). A thread that never exits never runs those destructors, so a runner's thread
+is parked when its engine stops and handed to the next engine that starts (at most as many
+threads as engines ever ran at once). At process exit the parked threads are daemons: the process
+ends without unwinding them.
+
+Each thread also keeps one MLX stream of its own (`runner_stream()`), so engines started one after
+another in a process reuse it rather than adding a stream (and, on the CPU, a stream thread) each.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: The name a thread carries while it runs a runner (tests and tools count them).
+RUNNER_THREAD_NAME = "trio-mlx-runner"
+#: The name of a parked thread, waiting for the next engine.
+IDLE_THREAD_NAME = "trio-mlx-runner (idle)"
+
+_lock = threading.Lock()
+_idle: list[_ParkedThread] = []
+_local = threading.local()
+
+
+class _ParkedThread:
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._loop, name=IDLE_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def run(self, job: Callable[[], None], done: Callable[[], None]) -> None:
+        self._jobs.put((job, done))
+
+    def _loop(self) -> None:
+        thread = threading.current_thread()
+        while True:
+            job, done = self._jobs.get()
+            thread.name = RUNNER_THREAD_NAME
+            try:
+                job()
+            finally:
+                thread.name = IDLE_THREAD_NAME
+                with _lock:
+                    _idle.append(self)
+                done()
+
+
+def start_runner_thread(job: Callable[[], None], done: Callable[[], None]) -> None:
+    """Run `job` on a parked runner thread (a new one if none is idle), then `done` once the
+    thread is parked again. Neither may raise: `job` reports its own outcome."""
+    with _lock:
+        parked = _idle.pop() if _idle else None
+    if parked is None:
+        parked = _ParkedThread()
+    parked.run(job, done)
+
+
+def runner_stream() -> Any:
+    """This thread's MLX stream on the default device (made on first use)."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    streams: dict[Any, Any] = getattr(_local, "streams", None) or {}
+    _local.streams = streams
+    key = str(device)
+    if key not in streams:
+        streams[key] = mx.new_stream(device)
+    return streams[key]
