@@ -344,7 +344,8 @@ class Engine:
 
     def get_cache_stats(self) -> dict[str, Any]:
         """The prefix KV cache, JSON-serialisable: whether it is `enabled` and `supported` (the
-        load-time probe: `cache_types`, `support_reason`), `entries`, `bytes`, `budget_bytes`,
+        load-time probe: `cache_types`, `support_reason`), `entries` (and `entries_by_kind`:
+        system prompts, prompts, conversations), `bytes`, `budget_bytes`,
         `hits`, `misses`, `hit_ratio`, `tokens_saved` (prompt tokens not prefilled), `stores`,
         `refreshes`, `refused`, `evictions`, `superseded`, `bypassed` (prompts too long for an
         exact reuse under `max_kv_size`), and the runner's side: `snapshots_held`,
