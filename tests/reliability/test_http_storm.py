@@ -247,3 +247,57 @@ async def test_a_dead_runner_turns_health_503_and_requests_get_503(
         refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "engine_crashed"
+
+
+class _FailOnce:
+    """A decode function that raises once, on its `after`-th call, then works again."""
+
+    def __init__(self, decode: Any, after: int) -> None:
+        self._decode = decode
+        self.calls = 0
+        self.after = after
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.after:
+            raise ValueError("injected fault: the tokenizer could not decode")
+        return self._decode(*args, **kwargs)
+
+
+class _Proxy:
+    def __init__(self, inner: Any, **overrides: Any) -> None:
+        self.__dict__.update(overrides)
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+async def test_a_tokenizer_that_fails_to_decode_fails_one_request(tiny_model_dir: Path) -> None:
+    from trio_mlx.engine.loading import load_model
+
+    def loader(spec: Any) -> Any:
+        import dataclasses
+
+        loaded = load_model(spec)
+        hf = loaded.tokenizer._tokenizer
+        raw = _Proxy(hf._tokenizer, decode=_FailOnce(hf._tokenizer.decode, after=4).decode)
+        wrapper = _Proxy(loaded.tokenizer, _tokenizer=_Proxy(hf, _tokenizer=raw))
+        return dataclasses.replace(loaded, tokenizer=wrapper)
+
+    async with (
+        running_server(tiny_model_dir, loader=loader) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        engine = server.state.engine
+        assert engine is not None
+        body = {"prompt": "hello", "max_tokens": 12, "stream": True}
+        response = await http.post("/v1/completions", json=body)
+        payloads = response.text.split("\n\n")
+        assert payloads[-2] == "data: [DONE]" and payloads.count("data: [DONE]") == 1
+        error = json.loads(payloads[-3][len("data: ") :])["error"]
+        assert error["code"] == "generation_error" and "decod" in error["message"]
+        await wait_idle(engine)
+        ok = await http.post("/v1/completions", json={**body, "stream": False})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
+        assert (await http.get("/health")).status_code == 200

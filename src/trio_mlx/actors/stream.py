@@ -149,9 +149,31 @@ class RequestStream:
             raise StopAsyncIteration
         while True:
             batch = await self._sink.next_batch()
-            output = self._absorb(batch)
+            try:
+                output = self._absorb(batch)
+            except Exception as exc:  # the tokenizer (or a stop/reasoning matcher) failed
+                return self._fail(f"decoding the output failed: {type(exc).__name__}: {exc}")
             if output is not None:
                 return output
+
+    def _fail(self, error: str) -> GenerationOutput:
+        """End this request with `finish_reason="error"` (its runner work is aborted); the text
+        so far stands, the engine keeps serving."""
+        self._done = True
+        self._on_done()
+        output = GenerationOutput(
+            text=self._text,
+            reasoning=self._reasoning_text,
+            tokens=list(self._tokens),
+            prompt_tokens=self._prompt_tokens,
+            cached_tokens=self._sink.cached_tokens,
+            completion_tokens=len(self._tokens),
+            finish_reason="error",
+            finished=True,
+            error=error,
+        )
+        self.final = output
+        return output
 
     def _absorb(self, batch: SinkBatch) -> GenerationOutput | None:
         new_text: list[str] = []
