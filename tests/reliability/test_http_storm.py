@@ -301,3 +301,42 @@ async def test_a_tokenizer_that_fails_to_decode_fails_one_request(tiny_model_dir
         ok = await http.post("/v1/completions", json={**body, "stream": False})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
         assert (await http.get("/health")).status_code == 200
+
+
+async def test_a_slow_client_does_not_hold_up_the_others(tiny_model_dir: Path) -> None:
+    async with (
+        running_server(tiny_model_dir) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": "slow", "max_tokens": 3}).encode()
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        sent = trio.Event()
+        answer: list[bytes] = []
+
+        async def trickle() -> None:
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                for i in range(len(request)):  # one byte at a time, ~2 s in all
+                    await stream.send_all(request[i : i + 1])
+                    await trio.sleep(2.0 / len(request))
+                sent.set()
+                with trio.move_on_after(30):
+                    while b"\r\n\r\n" not in b"".join(answer):
+                        answer.append(await stream.receive_some())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle)
+            # Meanwhile other clients are served at once.
+            for _ in range(3):
+                with trio.fail_after(5):
+                    reply = await http.post(
+                        "/v1/completions", json={"prompt": "x", "max_tokens": 2}
+                    )
+                assert reply.status_code == 200
+            assert not sent.is_set(), "the slow client was still sending"
+        head = b"".join(answer).split(b"\r\n", 1)[0]
+        assert head == b"HTTP/1.1 200 ", head
