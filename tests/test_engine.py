@@ -237,3 +237,12 @@ async def test_two_engines_run_side_by_side_in_one_trio_program(tiny_model_dir: 
             nursery.start_soon(run, "a", first)
             nursery.start_soon(run, "b", second)
     assert results["a"] == results["b"]
+
+
+async def test_a_seed_reproduces_across_engine_restarts(tiny_model_dir: Path) -> None:
+    outputs = []
+    for _ in range(2):
+        async with trio_mlx.open_engine(tiny_model_dir) as fresh:
+            out = await fresh.generate(PROMPT, max_tokens=16, temperature=1.0, top_p=0.95, seed=11)
+            outputs.append(out.tokens)
+    assert outputs[0] == outputs[1]
