@@ -246,3 +246,11 @@ async def test_a_seed_reproduces_across_engine_restarts(tiny_model_dir: Path) ->
             out = await fresh.generate(PROMPT, max_tokens=16, temperature=1.0, top_p=0.95, seed=11)
             outputs.append(out.tokens)
     assert outputs[0] == outputs[1]
+
+
+async def test_any_integer_is_a_seed(engine: trio_mlx.Engine) -> None:
+    # OpenAI's seeds are signed 64-bit; MLX keys are unsigned: negative and huge seeds work too.
+    for seed in (-1, -(2**63), 2**64 + 5):
+        a = await engine.generate(PROMPT, max_tokens=6, temperature=1.0, seed=seed)
+        b = await engine.generate(PROMPT, max_tokens=6, temperature=1.0, seed=seed)
+        assert a.finish_reason == "length" and a.tokens == b.tokens

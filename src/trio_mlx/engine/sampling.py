@@ -45,7 +45,8 @@ class TokenSelector:
         self._key: Any = None
         if params.temperature > 0.0:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            self._key = mx.random.key(seed)
+            # Any integer is a seed (OpenAI's are signed 64-bit); MLX keys take 0..2**64-1.
+            self._key = mx.random.key(seed % (1 << 64))
 
     @property
     def adjusts_logits(self) -> bool:

@@ -108,5 +108,7 @@ def _is_union_tag(part: Any) -> bool:
     # pydantic names the union member it tried in the location (`str`, `list[...]`,
     # `function-after[...]`); those are not fields the client sent.
     return isinstance(part, str) and (
-        "[" in part or part in {"str", "int", "float", "bool", "list", "dict"}
+        "[" in part
+        or part in {"str", "int", "float", "bool", "list", "dict", "none"}
+        or part.startswith("constrained-")
     )

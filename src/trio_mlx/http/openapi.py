@@ -121,11 +121,25 @@ def openapi_document() -> dict[str, Any]:
             "Text completion", CompletionRequest, Completion, Completion
         ),
         "/v1/responses": _generation(
-            "Create a response (also a WebSocket endpoint: send `response.create` messages)",
+            "Create a response",
             ResponsesRequest,
             ResponseObject,
             ResponseStreamEvent,
-        ),
+        )
+        | {
+            "get": {
+                "summary": "WebSocket mode (Upgrade: websocket): send `response.create` messages "
+                "(the fields of the POST body plus `type`), receive the stream's events; bad "
+                "messages get `error` events and the connection stays open",
+                "responses": {
+                    "101": {"description": "Switching to the WebSocket protocol"},
+                    "405": {
+                        "description": "Not a WebSocket upgrade request",
+                        "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+                    },
+                },
+            }
+        },
         "/v1/models": {"get": _get("The served model and its aliases", _ref(ModelList), "503")},
         "/v1/models/{model}": {
             "get": _get("One model", _ref(ModelCard), "404", "503")

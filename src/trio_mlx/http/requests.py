@@ -11,9 +11,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from trio_mlx.http.errors import APIError
+
+# Fields that are validated in code (for a clearer message than a type error) but whose accepted
+# values the published schema states exactly, so that a client generated from it sends nothing
+# this server refuses.
+ONLY_ONE = WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}], "default": 1})
+ONLY_NULL = WithJsonSchema({"type": "null", "description": "Not supported: leave it out."})
 
 StopField = Annotated[
     str | Annotated[list[str], Field(max_length=4)] | None,
@@ -45,7 +51,13 @@ class SamplingFields(_Body):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: (
+        dict[
+            Annotated[str, Field(pattern=r"^-?[0-9]+$")],
+            Annotated[float, Field(ge=-100.0, le=100.0)],
+        ]
+        | None
+    ) = None
 
     @field_validator("stop")
     @classmethod
@@ -102,15 +114,18 @@ class ImageURL(_Body):
 class ContentPart(_Body):
     """A part of a message's content: text (`text`, `input_text`, `output_text`) or media."""
 
-    type: Literal[
-        "text",
-        "input_text",
-        "output_text",
-        "image_url",
-        "input_image",
-        "input_audio",
-        "video_url",
-        "refusal",
+    type: Annotated[
+        Literal[
+            "text",
+            "input_text",
+            "output_text",
+            "image_url",
+            "input_image",
+            "input_audio",
+            "video_url",
+            "refusal",
+        ],
+        WithJsonSchema({"enum": ["text", "input_text", "output_text", "refusal"]}),
     ]
     text: str | None = None
     refusal: str | None = None
@@ -139,7 +154,9 @@ class ChatTool(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Annotated[
+        Literal["text", "json_object", "json_schema"], WithJsonSchema({"const": "text"})
+    ]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -148,11 +165,14 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    n: int | None = 1
+    n: Annotated[int | None, ONLY_ONE] = 1
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    tool_choice: Annotated[
+        Literal["none", "auto"] | dict[str, Any] | None,
+        WithJsonSchema({"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]}),
+    ] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -191,12 +211,19 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[
+            list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)
+        ]
+    )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    n: int | None = 1
-    best_of: int | None = None
+    n: Annotated[int | None, ONLY_ONE] = 1
+    best_of: Annotated[int | None, ONLY_ONE] = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Annotated[str | None, ONLY_NULL] = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def check_supported(self) -> None:
@@ -240,7 +267,9 @@ class InputMessage(_Body):
 
 
 class ResponseTextFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Annotated[
+        Literal["text", "json_object", "json_schema"], WithJsonSchema({"const": "text"})
+    ] = "text"
 
 
 class ResponseText(_Body):
@@ -253,11 +282,14 @@ class ResponsesRequest(SamplingFields):
     input: str | Annotated[list[InputMessage], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    previous_response_id: str | None = None
+    previous_response_id: Annotated[str | None, ONLY_NULL] = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     text: ResponseText | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[
+        list[dict[str, Any]] | None,
+        WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}),
+    ] = None
 
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
