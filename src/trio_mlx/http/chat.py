@@ -28,6 +28,8 @@ from trio_mlx.http.generation import (
     new_id,
     outputs,
     prepare,
+    raise_failure,
+    run_to_end,
     sse,
 )
 from trio_mlx.http.objects import (
@@ -124,7 +126,8 @@ async def chat_completions(
     reply = _Reply(new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer))
     if body.stream:
         return reply.stream(active, record, include_usage=body.include_usage)
-    final = await reply.final(active, record)
+    final = await run_to_end(active, record)
+    raise_failure(final)
     return reply.completion(final, with_logprobs=bool(body.logprobs)).dump()
 
 
@@ -134,22 +137,6 @@ class _Reply:
         self.created = created
         self.model = model
         self.text = text
-
-    async def final(self, active: ActiveRequest, record: RequestRecord) -> GenerationOutput:
-        final: GenerationOutput | None = None
-        try:
-            async for output in outputs(active):
-                final = output
-        finally:
-            active.close()
-            record.finish(final)
-        assert final is not None and final.finished
-        error = failure(final)
-        if error is not None:
-            detail = error["error"]
-            status = 503 if final.finish_reason == "abort" else 500
-            raise APIError(status, detail["message"], type=detail["type"], code=detail["code"])
-        return final
 
     def completion(self, final: GenerationOutput, *, with_logprobs: bool) -> ChatCompletion:
         return ChatCompletion(

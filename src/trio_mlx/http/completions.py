@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
-from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import (
     DONE,
     TokenText,
@@ -24,6 +23,8 @@ from trio_mlx.http.generation import (
     new_id,
     outputs,
     prepare,
+    raise_failure,
+    run_to_end,
     sse,
 )
 from trio_mlx.http.objects import Completion, CompletionChoice, CompletionLogprobs, Usage
@@ -94,19 +95,8 @@ class _Reply:
         return self.text.completion_logprobs(items, offset)
 
     async def whole(self, active: ActiveRequest, record: RequestRecord) -> Completion:
-        final: GenerationOutput | None = None
-        try:
-            async for output in outputs(active):
-                final = output
-        finally:
-            active.close()
-            record.finish(final)
-        assert final is not None and final.finished
-        error = failure(final)
-        if error is not None:
-            detail = error["error"]
-            status = 503 if final.finish_reason == "abort" else 500
-            raise APIError(status, detail["message"], type=detail["type"], code=detail["code"])
+        final = await run_to_end(active, record)
+        raise_failure(final)
         choice = CompletionChoice(
             text=self.echo + final.text,
             logprobs=self._logprobs(final.logprobs or [], len(self.echo)),

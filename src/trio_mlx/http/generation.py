@@ -17,7 +17,14 @@ from typing import Any, TypeVar
 from trio_mlx.actors.engine import Engine
 from trio_mlx.actors.request import ActiveRequest, GenerationStream
 from trio_mlx.errors import TrioMLXError
-from trio_mlx.http.errors import SERVER_ERROR, UNAVAILABLE, error_body, from_engine_error
+from trio_mlx.http.access_log import RequestRecord
+from trio_mlx.http.errors import (
+    SERVER_ERROR,
+    UNAVAILABLE,
+    APIError,
+    error_body,
+    from_engine_error,
+)
 from trio_mlx.http.objects import (
     ChoiceLogprobs,
     CompletionLogprobs,
@@ -144,9 +151,24 @@ class TokenText:
         return out
 
 
-async def final_output(active: ActiveRequest) -> GenerationOutput:
-    """Run an admitted request to its end (cancellation aborts it)."""
-    async for output in outputs(active):
-        if output.finished:
-            return output
-    raise AssertionError("a request stream ended without a final output")  # pragma: no cover
+async def run_to_end(active: ActiveRequest, record: RequestRecord) -> GenerationOutput:
+    """Run an admitted request to its final output. However that ends (done, failed, cancelled
+    because the client went away) the request is closed and its outcome noted in `record`."""
+    last: GenerationOutput | None = None
+    try:
+        async for output in outputs(active):
+            last = output
+    finally:
+        active.close()
+        record.finish(last)
+    assert last is not None and last.finished
+    return last
+
+
+def raise_failure(final: GenerationOutput) -> None:
+    """For a non-streaming answer: a failed (500) or aborted (503) request as an `APIError`."""
+    error = failure(final)
+    if error is not None:
+        detail = error["error"]
+        status = 503 if final.finish_reason == "abort" else 500
+        raise APIError(status, detail["message"], type=detail["type"], code=detail["code"])

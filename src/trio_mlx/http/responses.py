@@ -23,7 +23,7 @@ from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.chat import template_messages
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.generation import admit, failure, new_id, outputs, prepare
+from trio_mlx.http.generation import admit, failure, new_id, outputs, prepare, run_to_end
 from trio_mlx.http.objects import (
     ErrorDetail,
     IncompleteDetails,
@@ -152,14 +152,7 @@ class ResponseRun:
 
     async def final(self) -> dict[str, Any]:
         """Run to the end; the response object (completed, incomplete or failed)."""
-        last: GenerationOutput | None = None
-        try:
-            async for out in outputs(self.active):
-                last = out
-        finally:
-            self.close()
-            self.record.finish(last)
-        assert last is not None
+        last = await run_to_end(self.active, self.record)
         return self.response(_status(last), last.text, last).dump()
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
