@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
 import trio_mlx
-from model_wrappers import FaultyModel, wrapping_loader
+from model_wrappers import FaultyModel, break_the_runner_loop, wrapping_loader
 from trio_mlx.actors.runner import RUNNER_THREAD_NAME
 
 PROMPT = "It was a bright cold day in April"
@@ -121,18 +120,7 @@ async def test_a_model_fault_mid_decode_ends_the_stream_with_an_error(tiny_model
 async def test_a_dead_runner_thread_fails_requests_and_the_engine_says_so(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trio_mlx.actors.runner import Runner
-
-    original = Runner._take_commands
-    calls = {"n": 0}
-
-    def dying(self: Runner, live: Any, loaded: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("the runner loop itself broke")
-        return original(self, live, loaded)
-
-    monkeypatch.setattr(Runner, "_take_commands", dying)
+    break_the_runner_loop(monkeypatch)
     with pytest.raises(trio_mlx.EngineCrashed, match="the runner loop itself broke"):
         async with trio_mlx.open_engine(tiny_model_dir) as engine:
             outputs = [o async for o in engine.stream_generate(PROMPT, max_tokens=50)]

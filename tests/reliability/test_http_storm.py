@@ -17,7 +17,7 @@ import pytest
 import trio
 from websockets.sync.client import connect
 
-from model_wrappers import FaultyModel, wrapping_loader
+from model_wrappers import FaultyModel, break_the_runner_loop, wrapping_loader
 from servers import running_server
 from sse import chunks
 from trio_mlx.actors.engine import Engine
@@ -220,18 +220,7 @@ async def test_model_faults_fail_one_request_and_the_server_keeps_serving(
 async def test_a_dead_runner_turns_health_503_and_requests_get_503(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trio_mlx.actors.runner import Runner
-
-    original = Runner._take_commands
-    calls = {"n": 0}
-
-    def dying(self: Runner, live: Any, loaded: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("the runner loop itself broke")
-        return original(self, live, loaded)
-
-    monkeypatch.setattr(Runner, "_take_commands", dying)
+    break_the_runner_loop(monkeypatch)
     async with (
         running_server(tiny_model_dir) as server,
         httpx.AsyncClient(base_url=server.url, timeout=30) as http,
