@@ -26,6 +26,7 @@ from trio_mlx.http.generation import (
     admit,
     failure,
     new_id,
+    openai_finish_reason,
     outputs,
     prepare,
     raise_failure,
@@ -151,7 +152,7 @@ class _Reply:
                     logprobs=self.text.chat_logprobs(final.logprobs or [])
                     if with_logprobs
                     else None,
-                    finish_reason="length" if final.finish_reason == "length" else "stop",
+                    finish_reason=openai_finish_reason(final),
                 )
             ],
             usage=Usage.of(final),
@@ -203,7 +204,7 @@ class _Reply:
                     return
                 if not role_sent:
                     yield self._chunk(ChatDelta(role="assistant", content=""))
-                reason = "length" if out.finish_reason == "length" else "stop"
+                reason = openai_finish_reason(out)
                 yield self._chunk(
                     ChatDelta(), logprobs=self._take(pending, out), finish_reason=reason
                 )

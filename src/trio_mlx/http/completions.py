@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
@@ -21,6 +21,7 @@ from trio_mlx.http.generation import (
     admit,
     failure,
     new_id,
+    openai_finish_reason,
     outputs,
     prepare,
     raise_failure,
@@ -100,7 +101,7 @@ class _Reply:
         choice = CompletionChoice(
             text=self.echo + final.text,
             logprobs=self._logprobs(final.logprobs or [], len(self.echo)),
-            finish_reason="length" if final.finish_reason == "length" else "stop",
+            finish_reason=openai_finish_reason(final),
         )
         usage = Usage.of(final)
         return self._body(choice, usage)
@@ -131,9 +132,7 @@ class _Reply:
                     yield sse(error)
                     yield DONE
                     return
-                reason: Literal["stop", "length"] = (
-                    "length" if out.finish_reason == "length" else "stop"
-                )
+                reason = openai_finish_reason(out)
                 logprobs = self._logprobs(pending, offset) if pending else None
                 yield sse(
                     self._body(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from trio_mlx.actors.engine import Engine
 from trio_mlx.actors.request import ActiveRequest, GenerationStream
@@ -78,6 +78,11 @@ def sse_event(event: str, payload: dict[str, Any]) -> bytes:
     """One SSE event with an `event:` line (the Responses API's framing)."""
     data = json.dumps(payload, separators=(",", ":"))
     return f"event: {event}\ndata: {data}\n\n".encode()
+
+
+def openai_finish_reason(final: GenerationOutput) -> Literal["stop", "length"]:
+    """A successful request's `finish_reason` as OpenAI names it (EOS and stop strings: stop)."""
+    return "length" if final.finish_reason == "length" else "stop"
 
 
 def failure(final: GenerationOutput) -> dict[str, Any] | None:
