@@ -20,7 +20,7 @@ from mlx_lm.models.cache import KVCache
 
 import trio_mlx
 from model_wrappers import PausingModel, _Wrapped, wrapping_loader
-from trio_mlx.actors import runner as runner_module
+from trio_mlx.actors import snapshot_keeper
 from trio_mlx.actors.kv_cache_manager import MIN_DEFAULT_BUDGET
 from trio_mlx.types import GenerationOutput
 
@@ -324,7 +324,7 @@ async def test_a_cache_type_that_cannot_be_snapshotted_runs_uncached(tiny_model_
 async def test_a_hit_that_cannot_be_restored_falls_back_to_a_full_prefill(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_restore = runner_module.restore
+    real_restore = snapshot_keeper.restore
     failures = [1]
 
     def failing_once(snap: Any, length: int | None = None) -> list[Any]:
@@ -333,7 +333,7 @@ async def test_a_hit_that_cannot_be_restored_falls_back_to_a_full_prefill(
             raise RuntimeError("injected restore failure")
         return real_restore(snap, length)
 
-    monkeypatch.setattr(runner_module, "restore", failing_once)
+    monkeypatch.setattr(snapshot_keeper, "restore", failing_once)
 
     async def script(engine: trio_mlx.Engine) -> list[GenerationOutput]:
         return [

@@ -351,7 +351,7 @@ class Engine:
         exact reuse under `max_kv_size`), and the runner's side: `snapshots_held`,
         `snapshots_taken`, `snapshot_seconds`, `restores`."""
         stats = self._kv_cache.statistics()
-        counters = self._runner.counters
+        counters = self._runner.snapshot_counters
         stats.update(
             snapshots_held=counters.snapshots_held,
             snapshots_taken=counters.snapshots_taken,

@@ -20,18 +20,16 @@ A step is one prefill chunk or one decode token for each live sequence (the seri
 at most one). An exception raised by the model fails that request only; anything that kills the
 thread itself fails every live request with `EngineCrashed`.
 
-Prefix caching (when a `KVCacheManager` is attached and enabled): the runner keeps the snapshots
-(`KVSnapshot`, MLX arrays) in its own dict, keyed by the book's entry ids, and changes the book
-only through synchronous calls to the manager on the Trio thread (see `kv_cache_manager`):
-- a new job: `plan(prompt)`; on a hit, the sequence starts from `restore(snapshot, length)` (a
-  copy: the snapshot is never written) and prefills the rest. A hit whose snapshot is missing or
-  fails to restore is forgotten and the job prefills in full.
+Prefix caching (when a `KVCacheManager` is attached and enabled), through the runner's
+`SnapshotKeeper` (which holds the snapshots and talks to the book):
+- a new job starts from the keeper's restored copy of the longest cached prefix, if any, and
+  prefills the rest;
 - a prefill chunk that ends on one of the job's store points (a chat's system prompt; the whole
   prompt but its last token where the final entry cannot serve a retry), and the
-  end of a request whose prefill completed (finished, or aborted, e.g. by a stop string): a
-  snapshot of what the cache holds, keyed by `ActiveSequence.fed_tokens()`, reported with
-  `stored(...)` before the step's events are delivered. A request aborted during prefill, or one
-  that failed, stores nothing at its end.
+  end of a request whose prefill completed (finished, or aborted, e.g. by a stop string): the
+  keeper snapshots what the cache holds, keyed by `ActiveSequence.fed_tokens()`, before the
+  step's events are delivered. A request aborted during prefill, or one that failed, stores
+  nothing at its end.
 - `_ClearSnapshots`: drops every snapshot, empties the book, frees MLX's buffer cache.
 """
 
@@ -50,22 +48,16 @@ from typing import Any
 import outcome
 import trio
 
-from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.runner_threads import RUNNER_THREAD_NAME as RUNNER_THREAD_NAME
 from trio_mlx.actors.runner_threads import (
     runner_stream,
     start_runner_thread,
 )
+from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob
-from trio_mlx.engine.kv_snapshots import (
-    KVSnapshot,
-    SnapshotSupport,
-    cache_support,
-    restore,
-    snapshot,
-)
+from trio_mlx.engine.kv_snapshots import SnapshotSupport, cache_support
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.prompt_cache import chunking_exact_limit, make_cache
 from trio_mlx.errors import EngineCrashed
@@ -73,9 +65,10 @@ from trio_mlx.types import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
-#: The runner thread's name while it serves (Trio's worker threads are reused afterwards).
-
 ModelLoader = Callable[[str | Path | None], LoadedModel]
+
+#: Seconds without work after which the runner frees MLX's buffer cache.
+IDLE_TRIM_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -159,13 +152,6 @@ class RunnerCounters:
     failed: int = 0
     busy_seconds: float = 0.0
     live: int = 0
-    #: Prefix cache: snapshots taken, their total seconds, restores done, snapshots held now.
-    snapshots_taken: int = 0
-    snapshot_seconds: float = 0.0
-    snapshot_failures: int = 0
-    restores: int = 0
-    cached_prompt_tokens: int = 0
-    snapshots_held: int = 0
 
 
 class Runner:
@@ -191,8 +177,8 @@ class Runner:
         self.counters = RunnerCounters()
         self.info: ModelInfo | None = None
         self.crash: BaseException | None = None
-        self._prefix_cache: KVCacheManager | None = None
-        self._snapshots: dict[int, KVSnapshot] = {}  # runner thread only
+        self._snapshots = SnapshotKeeper()
+        self.snapshot_counters = self._snapshots.counters
         self._replies: set[_Reply] = set()
         self._serving = False
 
@@ -204,6 +190,7 @@ class Runner:
         """Start the thread, load the model, report `ModelInfo` as started, then serve until
         cancelled. A load error is raised before `started` (so `nursery.start` raises it)."""
         self._token = trio.lowlevel.current_trio_token()
+        self._snapshots.set_token(self._token)
         started = False
 
         def report_ready(info: ModelInfo) -> None:
@@ -255,7 +242,7 @@ class Runner:
 
     def use_prefix_cache(self, manager: KVCacheManager) -> None:
         """Attach the kv_cache actor. Call once, before the first `submit`."""
-        self._prefix_cache = manager
+        self._snapshots.attach(manager, self._token)
 
     async def clear_snapshots(self) -> dict[str, Any] | None:
         """Drop every snapshot on the runner thread, empty the book, and free MLX's buffer cache,
@@ -299,12 +286,20 @@ class Runner:
 
     def _wait_for_command(self) -> bool:
         """On the runner thread: block until a command is queued (True) or a stop is asked
-        (False)."""
+        (False). After `IDLE_TRIM_SECONDS` with nothing to do, MLX's buffer cache is returned to
+        the device once (a request arriving sooner reuses the buffers of the one before: freeing
+        and reallocating them costs milliseconds per request on a GPU)."""
+        import mlx.core as mx
+
+        trimmed = False
         while self._commands.empty():
             if self._stop.is_set():
                 return False
-            self._wakeup.wait()
-            self._wakeup.clear()
+            if self._wakeup.wait(None if trimmed else IDLE_TRIM_SECONDS):
+                self._wakeup.clear()
+            elif not trimmed:
+                mx.clear_cache()
+                trimmed = True
         return not self._stop.is_set()
 
     def _deliver(self, events: tuple[SequenceEvent, ...]) -> None:
@@ -327,8 +322,7 @@ class Runner:
         try:
             self._serve_on_this_thread(report_ready)
         finally:
-            self._snapshots.clear()  # MLX arrays are released on their own thread
-            self.counters.snapshots_held = 0
+            self._snapshots.drop_all()  # MLX arrays are released on their own thread
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
@@ -387,10 +381,10 @@ class Runner:
                         counters.decode_steps += 1
                     counters.generated_tokens += len(result.tokens)
                     if result.at_store_point:
-                        self._store(seq, "prompt" if seq.prefill_left == 1 else "system")
+                        self._snapshots.store(seq, "prompt" if seq.prefill_left == 1 else "system")
                     if result.finish is not None:
                         del live[request_id]
-                        self._store(seq, "conversation")
+                        self._snapshots.store(seq, "conversation")
                     if result.tokens or result.finish is not None:
                         finish: FinishReason | None = result.finish  # type: ignore[assignment]
                         events.append(
@@ -408,8 +402,6 @@ class Runner:
                 counters.busy_seconds += time.perf_counter() - began
                 if events:
                     deliver(self._deliver, tuple(events))
-                if not live:
-                    mx.clear_cache()
 
     def _take_commands(
         self, live: dict[int, ActiveSequence], loaded: LoadedModel
@@ -427,14 +419,15 @@ class Runner:
                 if seq is not None:
                     self.counters.aborted += 1
                     if command.store and seq.prefill_done:
-                        self._store(seq, "conversation")
+                        self._snapshots.store(seq, "conversation")
                 continue
             if isinstance(command, _ClearSnapshots):
-                self._clear_snapshots(command.reply)
+                assert self._token is not None
+                self._token.run_sync_soon(command.reply.resolve, self._snapshots.clear())
                 continue
             job = command.job
             try:
-                cache, cached_tokens = self._restore_for(job)
+                cache, cached_tokens = self._snapshots.restore_for(job)
                 live[job.request_id] = ActiveSequence(
                     job,
                     loaded.model,
@@ -456,90 +449,6 @@ class Runner:
                 )
         self.counters.live = len(live)
         return events
-
-    # ---- prefix cache (runner thread) ----------------------------------------------------
-
-    def _caching(self) -> KVCacheManager | None:
-        manager = self._prefix_cache
-        return manager if manager is not None and manager.enabled else None
-
-    def _restore_for(self, job: GenerationJob) -> tuple[list[Any] | None, int]:
-        """The cache to start `job` from, and how many prompt tokens it holds ((None, 0): a
-        fresh cache, full prefill). Asks the book; restores a copy of the hit's snapshot."""
-        manager = self._caching()
-        if manager is None:
-            return None, 0
-        hit = trio.from_thread.run_sync(manager.plan, job.prompt_tokens, trio_token=self._token)
-        if hit is None:
-            return None, 0
-        snap = self._snapshots.get(hit.entry_id)
-        if snap is not None:
-            try:
-                cache = restore(snap, hit.length)
-            except Exception:
-                log.exception("snapshot %d could not be restored", hit.entry_id)
-            else:
-                self.counters.restores += 1
-                self.counters.cached_prompt_tokens += hit.length
-                return cache, hit.length
-        # Evicted meanwhile, or unusable: forget it and prefill everything.
-        self._snapshots.pop(hit.entry_id, None)
-        self.counters.snapshots_held = len(self._snapshots)
-        trio.from_thread.run_sync(manager.forget, hit.entry_id, trio_token=self._token)
-        return None, 0
-
-    def _store(self, seq: ActiveSequence, kind: CacheKind) -> None:
-        """Snapshot what `seq`'s cache holds now and enter it in the book (at a step boundary)."""
-        manager = self._caching()
-        if manager is None:
-            return
-        tokens = seq.fed_tokens()
-        if not manager.accepts(len(tokens)):
-            return
-        began = time.perf_counter()
-        try:
-            snap = snapshot(seq.cache, len(tokens))
-        except Exception:
-            log.exception("request %d: the cache could not be snapshotted", seq.job.request_id)
-            self.counters.snapshot_failures += 1
-            return
-        self.counters.snapshots_taken += 1
-        self.counters.snapshot_seconds += time.perf_counter() - began
-        try:
-            decision = trio.from_thread.run_sync(
-                manager.stored, tokens, snap.nbytes, kind, snap.trimmable, trio_token=self._token
-            )
-        except Exception:  # the book refused in some unforeseen way: keep serving, uncached
-            log.exception("request %d: the snapshot could not be entered", seq.job.request_id)
-            self.counters.snapshot_failures += 1
-            return
-        for entry_id in decision.dropped:
-            self._snapshots.pop(entry_id, None)
-        if decision.stored:
-            assert decision.entry_id is not None
-            self._snapshots[decision.entry_id] = snap
-        self.counters.snapshots_held = len(self._snapshots)
-
-    def _clear_snapshots(self, reply: _Reply) -> None:
-        import mlx.core as mx
-
-        manager = self._prefix_cache
-        entries, nbytes = (0, 0)
-        if manager is not None:
-            entries, nbytes = trio.from_thread.run_sync(manager.clear, trio_token=self._token)
-        held = len(self._snapshots)
-        held_bytes = sum(snap.nbytes for snap in self._snapshots.values())
-        self._snapshots.clear()
-        self.counters.snapshots_held = 0
-        mx.clear_cache()
-        result = {
-            "entries": entries,
-            "bytes": nbytes,
-            "snapshots": held,
-            "snapshot_bytes": held_bytes,
-        }
-        assert self._token is not None
-        self._token.run_sync_soon(reply.resolve, result)
 
 
 def _weights_bytes(model: Any) -> int:
