@@ -22,6 +22,7 @@ import trio_mlx
 from model_wrappers import PausingModel, _Wrapped, wrapping_loader
 from trio_mlx.actors import snapshot_keeper
 from trio_mlx.actors.kv_cache_manager import MIN_DEFAULT_BUDGET
+from trio_mlx.engine import kv_snapshots
 from trio_mlx.types import GenerationOutput
 
 SYSTEM = {
@@ -324,7 +325,7 @@ async def test_a_cache_type_that_cannot_be_snapshotted_runs_uncached(tiny_model_
 async def test_a_hit_that_cannot_be_restored_falls_back_to_a_full_prefill(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_restore = snapshot_keeper.restore
+    real_restore = kv_snapshots.restore
     failures = [1]
 
     def failing_once(snap: Any, length: int | None = None) -> list[Any]:
