@@ -43,6 +43,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 import trio_mlx
 from trio_mlx.actors import runner as runner_module
+from trio_mlx.actors import snapshot_keeper
 from trio_mlx.engine import decode as decode_module
 from trio_mlx.engine.loading import LoadedModel, load_model
 
@@ -77,7 +78,7 @@ def instrument() -> None:
     Seq = decode_module.ActiveSequence
     wrap(runner_module.Runner, "submit", "submit", None)
     wrap(runner_module.Runner, "_deliver", "deliver", None)
-    wrap(runner_module.Runner, "_restore_for", "restore>", "restore<")
+    wrap(snapshot_keeper.SnapshotKeeper, "restore_for", "restore>", "restore<")
     original_init = Seq.__init__
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
