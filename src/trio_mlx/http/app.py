@@ -9,16 +9,18 @@ anything unexpected (500, logged with its traceback).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+import trio
 from pydantic import BaseModel, ValidationError
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, MethodNotAllowed
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from trio_mlx.http.access_log import AccessLog, record_of
 from trio_mlx.http.chat import chat_completions
@@ -54,10 +56,43 @@ def create_app(state: ServerState) -> QuartTrio:
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
     metrics = Metrics()
-    app.asgi_app = AccessLog(app.asgi_app, metrics.observe)  # type: ignore[method-assign,assignment]
+    app.asgi_app = FinishResponses(  # type: ignore[method-assign,assignment]
+        AccessLog(app.asgi_app, metrics.observe)
+    )
     _routes(app, state, metrics)
     _error_handlers(app)
     return app
+
+
+class FinishResponses:
+    """ASGI middleware: the last message of an HTTP response is sent shielded from cancellation.
+
+    hypercorn 0.18 does a connection's bookkeeping after the last byte of a response (start the
+    next request cycle, or close the socket when the connection cannot be reused) inside that
+    `send` call, in the app's task; quart-trio 0.12 cancels the app's task as soon as its message
+    reader sees the `http.disconnect` that hypercorn queues during that same call. Without the
+    shield, closing the socket is cancelled halfway: a `Connection: close` request, a 413, or a
+    response sent before its request's body had arrived left the connection open with nobody
+    reading it, and the client's next request on it hung. The shielded work is a shielded socket
+    write (hypercorn already shields it) and closing a socket; nothing there waits on the client.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def finishing_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await self.app(scope, receive, finishing_send)
 
 
 def _json(
@@ -98,6 +133,17 @@ async def read_body(model: type[M]) -> M:
 
 
 def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
+    @app.before_request
+    async def read_whole_request() -> None:
+        # Every request is read to its end before it is answered, refusals included (404, 405,
+        # 415): an HTTP/1.1 connection serves its next request only once the previous one has
+        # been read, so hypercorn closes a connection whose request was answered before its body
+        # arrived (and, before FinishResponses, left it hanging instead). The body is bounded by
+        # MAX_CONTENT_LENGTH and BODY_TIMEOUT; one over the limit is left to the route (413), and
+        # its connection is closed.
+        with contextlib.suppress(RequestEntityTooLarge):
+            await request.get_data()
+
     @app.post("/v1/chat/completions")
     async def chat_route() -> Response:
         body = await read_body(ChatCompletionRequest)
