@@ -187,7 +187,7 @@ async def test_health_models_status_openapi(server: RunningServer, http: httpx.A
     status = (await http.get("/v1/status")).json()
     assert status["running"] == 0 and status["server"]["phase"] == "ready"
     doc = (await http.get("/openapi.json")).json()
-    assert doc["openapi"].startswith("3.1")
+    assert doc["openapi"].startswith("3.2")
     for path in (
         "/v1/chat/completions",
         "/v1/completions",

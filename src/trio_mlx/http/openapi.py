@@ -1,7 +1,8 @@
-"""The OpenAPI 3.1 document of the server, generated from the request and response models.
+"""The OpenAPI 3.2 document of the server, generated from the request and response models.
 
-Each route lists its request body, its success responses (JSON, and the SSE event type where it
-streams) and the error responses it can give, all in the OpenAI error shape.
+Each route lists its request body, its success responses (JSON, and where it streams the SSE
+events, described one by one with OpenAPI 3.2's `itemSchema`) and the error responses it can give,
+all in the OpenAI error shape.
 """
 
 from __future__ import annotations
@@ -54,19 +55,58 @@ def _errors(*codes: str) -> dict[str, Any]:
     }
 
 
-def _json_ok(model: type[BaseModel], stream: type[BaseModel] | None = None) -> dict[str, Any]:
+def _json_ok(model: type[BaseModel], stream: dict[str, Any] | None = None) -> dict[str, Any]:
     content: dict[str, Any] = {"application/json": {"schema": _ref(model)}}
     if stream is not None:
-        content["text/event-stream"] = {
-            "schema": {"type": "string"},
-            "itemSchema": _ref(stream),
-            "description": f"With `stream: true`: server-sent events of {stream.__name__}",
-        }
+        content["text/event-stream"] = stream
     return {"200": {"description": "Success", "content": content}}
 
 
+def _json_text(schema: dict[str, Any]) -> dict[str, Any]:
+    """A string holding JSON that matches `schema` (an SSE event's `data`)."""
+    return {"type": "string", "contentMediaType": "application/json", "contentSchema": schema}
+
+
+def _data_stream(chunk: type[BaseModel]) -> dict[str, Any]:
+    """OpenAI's SSE framing (chat and completions): `data:` events of `chunk` JSON, an error
+    object if the request fails after the stream began, and `data: [DONE]` last. In OpenAPI 3.2
+    `itemSchema` describes one event as an object of its fields (`data`, `event`, `id`, `retry`)."""
+    return {
+        "description": f"With `stream: true`: server-sent events whose `data` is a "
+        f"{chunk.__name__} (or an error object if generation fails mid-stream), then "
+        "`data: [DONE]`",
+        "itemSchema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "if": {"const": "[DONE]"},
+                    "else": _json_text({"anyOf": [_ref(chunk), _ref(ErrorResponse)]}),
+                }
+            },
+        },
+    }
+
+
+def _named_event_stream(event: type[BaseModel]) -> dict[str, Any]:
+    """The Responses API's SSE framing: `event: response.<...>` (the `type` of the data) and
+    `data:` the event's JSON; no `[DONE]`."""
+    return {
+        "description": f"With `stream: true`: server-sent events, each named by its type "
+        f"(`event:`) with a {event.__name__} as `data`",
+        "itemSchema": {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {
+                "event": {"type": "string", "pattern": r"^response\.[a-z_.]+$"},
+                "data": _json_text(_ref(event)),
+            },
+        },
+    }
+
+
 def _generation(
-    summary: str, body: type[BaseModel], result: type[BaseModel], chunk: type[BaseModel]
+    summary: str, body: type[BaseModel], result: type[BaseModel], stream: dict[str, Any]
 ) -> dict[str, Any]:
     return {
         "post": {
@@ -75,7 +115,7 @@ def _generation(
                 "required": True,
                 "content": {"application/json": {"schema": _ref(body)}},
             },
-            "responses": _json_ok(result, chunk)
+            "responses": _json_ok(result, stream)
             | _errors("400", "404", "413", "415", "429", "500", "503"),
         }
     }
@@ -93,7 +133,7 @@ def _get(summary: str, result: dict[str, Any], *errors: str) -> dict[str, Any]:
 
 @cache
 def openapi_document() -> dict[str, Any]:
-    """The OpenAPI 3.1 document (built once)."""
+    """The OpenAPI 3.2 document (built once)."""
     models: list[type[BaseModel]] = [
         ChatCompletionRequest,
         CompletionRequest,
@@ -115,16 +155,19 @@ def openapi_document() -> dict[str, Any]:
     any_object = {"type": "object"}
     paths: dict[str, Any] = {
         "/v1/chat/completions": _generation(
-            "Chat completion", ChatCompletionRequest, ChatCompletion, ChatCompletionChunk
+            "Chat completion",
+            ChatCompletionRequest,
+            ChatCompletion,
+            _data_stream(ChatCompletionChunk),
         ),
         "/v1/completions": _generation(
-            "Text completion", CompletionRequest, Completion, Completion
+            "Text completion", CompletionRequest, Completion, _data_stream(Completion)
         ),
         "/v1/responses": _generation(
             "Create a response",
             ResponsesRequest,
             ResponseObject,
-            ResponseStreamEvent,
+            _named_event_stream(ResponseStreamEvent),
         )
         | {
             "get": {
@@ -181,7 +224,7 @@ def openapi_document() -> dict[str, Any]:
         },
     }
     return {
-        "openapi": "3.1.0",
+        "openapi": "3.2.0",
         "info": {
             "title": "trio-mlx",
             "version": _version(),

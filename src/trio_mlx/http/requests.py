@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
 from trio_mlx.http.errors import APIError
 
@@ -21,10 +21,29 @@ from trio_mlx.http.errors import APIError
 ONLY_ONE = WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}], "default": 1})
 ONLY_NULL = WithJsonSchema({"type": "null", "description": "Not supported: leave it out."})
 
+# Empty stop strings are refused by `_stops_not_empty` (for its message); the schema says so too.
+StopString = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
 StopField = Annotated[
-    str | Annotated[list[str], Field(max_length=4)] | None,
+    StopString | Annotated[list[StopString], Field(max_length=4)] | None,
     Field(description="Up to 4 strings; generation stops before any of them."),
 ]
+
+
+def _integral(value: Any) -> Any:
+    """A float with no fractional part (`2.0`, `1e3`) as the int it is. JSON Schema's `integer`
+    is any number without a fractional part, so clients generated from the published schema may
+    send one; anything else is left to the strict int check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+_INTEGRAL = BeforeValidator(_integral)  # last in `Annotated`, so that it runs before the checks
+#: Integer fields: an int, or a float with no fractional part.
+Integer = Annotated[int, _INTEGRAL]
+NonNegative = Annotated[int, Field(ge=0), _INTEGRAL]
+Positive = Annotated[int, Field(ge=1), _INTEGRAL]
+TopLogprobs = Annotated[int, Field(ge=0, le=20), _INTEGRAL]
 
 
 class _Body(BaseModel):
@@ -42,22 +61,41 @@ class SamplingFields(_Body):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stop: StopField = None
-    seed: int | None = None
+    seed: Integer | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
+    top_k: NonNegative | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: (
+    logit_bias: Annotated[
         dict[
             Annotated[str, Field(pattern=r"^-?[0-9]+$")],
             Annotated[float, Field(ge=-100.0, le=100.0)],
         ]
-        | None
-    ) = None
+        | None,
+        # Keys are token ids; a negative one is refused as outside the vocabulary, and a key that
+        # is not a number is refused too (pydantic's own schema would allow any other key).
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "propertyNames": {"pattern": "^[0-9]+$"},
+                        "additionalProperties": {
+                            "type": "number",
+                            "minimum": -100.0,
+                            "maximum": 100.0,
+                        },
+                    },
+                    {"type": "null"},
+                ],
+                "default": None,
+            }
+        ),
+    ] = None
 
     @field_validator("stop")
     @classmethod
@@ -114,6 +152,18 @@ class ImageURL(_Body):
 class ContentPart(_Body):
     """A part of a message's content: text (`text`, `input_text`, `output_text`) or media."""
 
+    # A text part without `text` is refused where the content is read (chat.py); the schema
+    # states it as a condition on `type`.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "properties": {"type": {"enum": ["text", "input_text", "output_text"]}},
+                "required": ["type"],
+            },
+            "then": {"properties": {"text": {"type": "string"}}, "required": ["text"]},
+        }
+    )
+
     type: Annotated[
         Literal[
             "text",
@@ -133,6 +183,20 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
+    # Only assistant and tool messages may leave `content` out or null (chat.py refuses others).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "properties": {"role": {"enum": ["system", "developer", "user"]}},
+                "required": ["role"],
+            },
+            "then": {
+                "properties": {"content": {"type": ["string", "array"]}},
+                "required": ["content"],
+            },
+        }
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -162,12 +226,23 @@ class ResponseFormat(_Body):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    # `top_logprobs` above 0 needs `logprobs: true` (refused in `check_supported`).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                "required": ["top_logprobs"],
+            },
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        }
+    )
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    n: Annotated[int | None, ONLY_ONE] = 1
+    max_tokens: Positive | None = None
+    max_completion_tokens: Positive | None = None
+    n: Annotated[Integer | None, ONLY_ONE] = 1
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Annotated[
         Literal["none", "auto"] | dict[str, Any] | None,
@@ -176,7 +251,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None
+    thinking_token_budget: NonNegative | None = None
 
     def check_supported(self) -> None:
         _only_one_choice(self.n)
@@ -207,24 +282,27 @@ class ChatCompletionRequest(SamplingFields):
 
 # ---- completions -------------------------------------------------------------------------------
 
+# A token id; a negative one is refused as outside the vocabulary (by the engine, which knows it).
+TokenId = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 0}), _INTEGRAL]
+
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: (
         Annotated[str, Field(min_length=1)]
-        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
         | Annotated[
-            list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)
         ]
     )
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    n: Annotated[int | None, ONLY_ONE] = 1
-    best_of: Annotated[int | None, ONLY_ONE] = None
+    max_tokens: Positive | None = 16
+    n: Annotated[Integer | None, ONLY_ONE] = 1
+    best_of: Annotated[Integer | None, ONLY_ONE] = None
     echo: bool = False
     suffix: Annotated[str | None, ONLY_NULL] = None
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: TopLogprobs | None = None
 
     def check_supported(self) -> None:
         _only_one_choice(self.n)
@@ -281,7 +359,7 @@ class ResponsesRequest(SamplingFields):
 
     input: str | Annotated[list[InputMessage], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: Positive | None = None
     previous_response_id: Annotated[str | None, ONLY_NULL] = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
