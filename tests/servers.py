@@ -3,12 +3,15 @@ on 127.0.0.1 port 0."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
@@ -50,6 +53,21 @@ async def running_server(
             nursery.cancel_scope.cancel()
 
 
+def keep_reading_log(process: subprocess.Popen[str], keep: int = 200) -> deque[str]:
+    """Read the process's stderr on a daemon thread until it closes; returns the last `keep`
+    lines, updated as they come."""
+    assert process.stderr is not None
+    stderr = process.stderr
+    lines: deque[str] = deque(maxlen=keep)
+
+    def read() -> None:
+        with contextlib.suppress(ValueError, OSError):  # closed by serve_process on exit
+            lines.extend(stderr)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
 async def eventually(predicate: Callable[[], Any], limit: float = 10.0) -> None:
     """Wait (polling) until `predicate()` is true; fail after `limit` seconds."""
     with trio.fail_after(limit):
@@ -62,7 +80,11 @@ async def eventually(predicate: Callable[[], Any], limit: float = 10.0) -> None:
 @contextmanager
 def serve_process(model: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`python -m trio_mlx serve MODEL --port 0 ARGS`; yields the process and its URL once
-    /health says ready; kills it on exit if it is still running."""
+    /health says ready; kills it on exit if it is still running.
+
+    Its stderr (the log, an access-log line per request) is a pipe left to the caller: read it
+    once the process has exited, or call `keep_reading_log` for anything longer than a few
+    hundred requests — once the pipe is full the server blocks writing its log."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "trio_mlx", "serve", str(model), "--port", "0", *args],

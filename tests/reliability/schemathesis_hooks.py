@@ -1,0 +1,56 @@
+"""Schemathesis hooks for `test_schemathesis.py` (loaded by `st run` through SCHEMATHESIS_HOOKS).
+
+`positive_data_acceptance_here` is schemathesis's `positive_data_acceptance` (a request the
+published document calls valid must be accepted) less the refusals that depend on the model and
+on the server's settings, which a static document cannot state:
+
+- a prompt longer than the model's context (code `context_length_exceeded`);
+- `max_tokens` (or `max_completion_tokens`, `max_output_tokens`) above the server's
+  `--max-tokens` (TRIO_MLX_ST_MAX_TOKENS here);
+- token ids (`prompt`, `logit_bias` keys) outside the model's vocabulary.
+
+Each of them is a 400 whose `param` names the field and whose message says which limit; any
+other refusal of valid data still fails the check.
+
+`GET /v1/responses` is left out of it: that operation is the WebSocket upgrade, which an HTTP
+client cannot perform (no handshake), so it always gets its documented 405; the WebSocket mode
+has its own tests (tests/http/test_responses_http.py). Every other check still applies to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import schemathesis
+from schemathesis import Case, CheckContext, Response
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+MAX_TOKENS = int(os.environ.get("TRIO_MLX_ST_MAX_TOKENS", "16"))
+TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def depends_on_model_or_settings(response: Response) -> bool:
+    if response.status_code != 400:
+        return False
+    try:
+        error = json.loads(response.content)["error"]
+        param, code, message = error["param"], error["code"], str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    if code == "context_length_exceeded":
+        return True
+    if param in TOKEN_LIMITS and f"this server allows at most {MAX_TOKENS}" in message:
+        return True
+    return param in ("prompt", "logit_bias") and "vocabulary" in message
+
+
+def is_websocket_upgrade(case: Case) -> bool:
+    return case.operation.method.upper() == "GET" and case.operation.path == "/v1/responses"
+
+
+@schemathesis.check
+def positive_data_acceptance_here(ctx: CheckContext, response: Response, case: Case) -> bool | None:
+    if depends_on_model_or_settings(response) or is_websocket_upgrade(case):
+        return None
+    return positive_data_acceptance(ctx, response, case)
