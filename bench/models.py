@@ -49,9 +49,6 @@ SHAPES: dict[str, dict[str, int]] = {
         "num_key_value_heads": 8,
     },
 }
-# Names used by bench/engine_overhead.py and bench/prefix_cache.py.
-SHAPES["llama-3.2-1b"] = SHAPES["llama-1b"]
-SHAPES["llama-3-8b"] = SHAPES["llama-8b"]
 
 BASE_CONFIG = {
     "model_type": "llama",

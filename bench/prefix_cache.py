@@ -9,9 +9,9 @@ Two scenarios, each measured warm (the cache holds what an earlier request compu
 Greedy tokens of the cached and cold runs are compared (they must be equal). Reports medians and
 the ratio cached/cold (the target of issue 4 is at most 0.10).
 
-    python bench/prefix_cache.py --shape smollm2-135m --system-tokens 2000 --repeats 3
-    python bench/prefix_cache.py --shape tiny --json /tmp/prefix.json
-    python bench/prefix_cache.py --model default      # the real bundled SmolLM2-135M-Instruct
+    python -m bench.prefix_cache --model synthetic:llama-1b-bf16 --system-tokens 2000 --repeats 3
+    python -m bench.prefix_cache --model tiny --json /tmp/prefix.json
+    python -m bench.prefix_cache --model smollm2      # the real bundled SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -28,73 +28,16 @@ from typing import Any
 
 import mlx.core as mx
 import trio
-from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import llama
+from bench.models import resolve_subject
 
 import trio_mlx
-from trio_mlx.engine.default_model import default_gguf_path
-from trio_mlx.engine.gguf_tokenizer import write_tokenizer_files
 from trio_mlx.engine.loading import LoadedModel, load_model
-
-SHAPES: dict[str, dict[str, int]] = {
-    "tiny": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
-    "smollm2-135m": {
-        "hidden_size": 576,
-        "num_hidden_layers": 30,
-        "intermediate_size": 1536,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-    },
-    "llama-3.2-1b": {
-        "hidden_size": 2048,
-        "num_hidden_layers": 16,
-        "intermediate_size": 8192,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-    },
-    "llama-3-8b": {
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "intermediate_size": 14336,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-    },
-}
 
 TOPICS = (
     "the model answers every question with care and cites the relevant policy section "
     "when a customer asks about refunds shipping warranty returns accounts billing "
     "invoices passwords privacy security orders delivery tracking discounts coupons"
 )
-
-
-def build_model(out: Path, shape: str, dtype: str) -> Path:
-    """A random-weight llama of `shape` with the SmolLM2 tokenizer (from the bundled GGUF)."""
-    if (out / "config.json").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    config = {
-        "model_type": "llama",
-        "vocab_size": 49152,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": True,
-        **SHAPES[shape],
-    }
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    model.update(tree_map(lambda p: p.astype(getattr(mx, dtype)), model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    _weights, metadata = mx.load(str(default_gguf_path()), return_metadata=True)
-    write_tokenizer_files(metadata, out, source="SmolLM2 GGUF")
-    return out
 
 
 def no_eos_loader(spec: str | Path | None) -> LoadedModel:
@@ -135,15 +78,7 @@ def turn(messages: list[dict[str, str]], reply: str, question: str) -> list[dict
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    path: str | Path | None
-    if args.model == "default":
-        path = None  # the bundled SmolLM2-135M-Instruct (real weights)
-    elif args.model:
-        path = args.model
-    else:
-        path = build_model(
-            Path(args.workdir) / f"{args.shape}-{args.dtype}", args.shape, args.dtype
-        )
+    path = resolve_subject(args.model, Path(args.workdir)).path
     rows: list[dict[str, Any]] = []
     async with trio_mlx.open_engine(
         path, loader=no_eos_loader, cache_memory_bytes=args.cache_mb * 2**20
@@ -192,7 +127,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         return statistics.median(float(r[key]) for r in rows)
 
     summary = {
-        "model": args.model or f"synthetic {args.shape} {args.dtype}",
+        "model": args.model,
         "device": str(mx.default_device()),
         "system_tokens": args.system_tokens,
         "repeats": args.repeats,
@@ -215,11 +150,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model",
-        default=None,
-        help="a model spec instead of a synthetic shape ('default': the bundled SmolLM2-135M)",
+        default="synthetic:smollm2-135m-bf16",
+        help="tiny, smollm2 (the bundled model, real weights), synthetic:<shape>-<kind> or a "
+        "directory (bench/models.py)",
     )
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=8, help="per request")
     parser.add_argument("--repeats", type=int, default=3)
