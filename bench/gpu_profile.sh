@@ -13,6 +13,8 @@ WORK=/tmp/trio-mlx-bench
 SPY=/tmp/site/bin/py-spy
 python3 -m bench.hot_path --model "$MODEL" --workdir "$WORK" --repeats "${REPEATS:-3}" \
   --json "$OUT/hot_path.json" 2>&1 | tail -n 40
+python3 -m bench.prefix_cache --model "$MODEL" --workdir "$WORK" --system-tokens 2000 \
+  --repeats "${REPEATS:-3}" --json "$OUT/prefix_cache.json" 2>&1 | tail -n 5
 dir="$WORK/${MODEL#synthetic:}"
 serve() {  # $1: name, rest: py-spy options (none: no py-spy)
   local name=$1; shift
