@@ -37,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import trio
 from bench.models import resolve_subject
+from bench.prefix_cache import system_prompt
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
@@ -152,13 +153,57 @@ def raw_ttft(model: Any, tokens: list[int]) -> float:
     raise AssertionError("no token")
 
 
-async def engine_ttft(engine: trio_mlx.Engine, tokens: list[int]) -> tuple[float, dict[str, float]]:
+async def engine_ttft(
+    engine: trio_mlx.Engine, tokens: list[int], max_tokens: int = 1
+) -> tuple[float, dict[str, float]]:
     start = time.perf_counter()
-    async for out in engine.stream_generate(tokens, max_tokens=1, temperature=0.0):
+    async for out in engine.stream_generate(tokens, max_tokens=max_tokens, temperature=0.0):
         if out.new_tokens:
             at = time.perf_counter()
             return (at - start) * 1e3, phases(start, at)
     raise AssertionError("no token")
+
+
+async def chat_ttft(
+    engine: trio_mlx.Engine, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[float, dict[str, float]]:
+    """Time to the first token of a chat request, with its phases; the stream runs to its end."""
+    start = time.perf_counter()
+    result = None
+    async for out in engine.stream_chat(messages, max_tokens=max_tokens, temperature=0.0):
+        if out.new_tokens and result is None:
+            at = time.perf_counter()
+            result = (at - start) * 1e3, phases(start, at)
+    assert result is not None
+    return result
+
+
+async def chat_scenario(engine: trio_mlx.Engine, args: argparse.Namespace) -> dict[str, Any]:
+    """bench.prefix_cache's shared-system-prompt case, phase by phase: another user's request
+    first, then the measured one (cached), then the same with the cache cleared (cold); and the
+    token-prompt equivalent with `max_tokens` 8 to separate chat from generation."""
+    system = {"role": "system", "content": system_prompt(engine.tokenizer, args.system_tokens)}
+    other = [system, {"role": "user", "content": "How do I reset my password?"}]
+    shared = [system, {"role": "user", "content": "Where is my order #1234?"}]
+    rows: dict[str, list[Any]] = {"chat_cached": [], "chat_cold": [], "tokens8_cold": []}
+    tokens = prompt_tokens(args.system_tokens, 42)
+    for _ in range(args.repeats):
+        await engine.clear_runtime_caches()
+        await chat_ttft(engine, other, 8)
+        rows["chat_cached"].append(await chat_ttft(engine, shared, 8))
+        await engine.clear_runtime_caches()
+        rows["chat_cold"].append(await chat_ttft(engine, shared, 8))
+        await engine.clear_runtime_caches()
+        rows["tokens8_cold"].append(await engine_ttft(engine, tokens, 8))
+    summary: dict[str, Any] = {"system_tokens": args.system_tokens}
+    for key, got in rows.items():
+        summary[f"{key}_ms"] = statistics.median(t for t, _ in got)
+        summary[f"{key}_phases"] = {
+            name: round(statistics.median(p.get(name, 0.0) for _, p in got), 3)
+            for name in got[0][1]
+        }
+    print(json.dumps(summary), flush=True)
+    return summary
 
 
 @contextlib.contextmanager
@@ -271,6 +316,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     summary["engine_minus_raw_ms"] = summary["engine_ms"] - summary["raw_ms"]
                     results["ttft"].append(summary)
                     print(json.dumps(summary), flush=True)
+        results["chat"] = await chat_scenario(engine, args)
         # Decode.
         decode_rows = []
         tokens = prompt_tokens(128, 5)
@@ -294,6 +340,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", default="32,2048")
     parser.add_argument("--suffix-tokens", type=int, default=24)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-mb", type=int, default=4096)
     parser.add_argument("--workdir", default="/tmp/trio-mlx-bench")
