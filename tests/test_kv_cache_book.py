@@ -9,14 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trio_mlx.actors.kv_cache import (
     CacheHit,
     PrefixCache,
     StoreDecision,
-    system_prefix_length,
 )
-from trio_mlx.engine.prompts import encode_chat
+from trio_mlx.engine.prompts import chat_prompt, encode_chat, system_prefix_length
 
 BIG = 1 << 40
 
@@ -357,16 +358,47 @@ def test_a_system_only_conversation_has_no_boundary_inside_it(tokenizer: Any) ->
     assert system_prefix_length(tokenizer, messages, prompt[:n]) is None
 
 
-class _Template:
-    """A tokenizer stand-in whose template renders the system part differently when alone."""
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    system=st.lists(st.text(min_size=0, max_size=40), min_size=1, max_size=2),
+    user=st.text(min_size=0, max_size=40),
+)
+def test_the_one_pass_boundary_matches_tokenizing_the_system_part_alone(
+    tokenizer: Any, system: list[str], user: str
+) -> None:
+    messages = [{"role": "system", "content": text} for text in system]
+    messages.append({"role": "user", "content": user})
+    prompt = chat_prompt(tokenizer, messages, find_system_prefix=True)
+    assert prompt.tokens == encode_chat(tokenizer, messages)
+    assert prompt.system_prefix == system_prefix_length(tokenizer, messages, prompt.tokens)
 
-    def __init__(self, fail: bool = False) -> None:
+
+def test_without_character_offsets_the_boundary_comes_from_a_second_tokenization() -> None:
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    same = chat_prompt(_Template(mark_alone=False), messages, find_system_prefix=True)
+    assert same.tokens == [ord(ch) for ch in "s|u"] and same.system_prefix == 1
+    differs = chat_prompt(_Template(), messages, find_system_prefix=True)
+    assert differs.system_prefix is None
+    assert chat_prompt(_Template(mark_alone=False), messages).system_prefix is None
+
+
+class _Template:
+    """A tokenizer stand-in (no character offsets) whose template renders the system part
+    differently when alone (`mark_alone`)."""
+
+    chat_template = "|"
+
+    def __init__(self, fail: bool = False, mark_alone: bool = True) -> None:
         self.fail = fail
+        self.mark_alone = mark_alone
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
         if self.fail:
             raise ValueError("a user message is required")
-        return "|".join(m["content"] for m in messages) + ("!" if len(messages) == 1 else "")
+        alone = self.mark_alone and len(messages) == 1
+        return "|".join(m["content"] for m in messages) + ("!" if alone else "")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(ch) for ch in text]

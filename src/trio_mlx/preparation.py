@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from trio_mlx.engine.decode import LogitsProcessor
-from trio_mlx.engine.prompts import check_token_ids, encode_chat, encode_text
+from trio_mlx.engine.prompts import chat_prompt, check_token_ids, encode_text
 from trio_mlx.engine.thinking import ThinkingBudget
 from trio_mlx.errors import InvalidRequest, PromptTooLong
 from trio_mlx.types import SamplingParams
@@ -117,11 +117,22 @@ class RequestPreparer:
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
         options: SamplingOptions,
+        find_system_prefix: bool = False,
     ) -> PreparedRequest:
-        tokens = encode_chat(
-            self.tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+        """With `find_system_prefix`, the request also carries `system_prefix` (see there)."""
+        prompt = chat_prompt(
+            self.tokenizer,
+            messages,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            find_system_prefix=find_system_prefix,
         )
-        return self._prepare(tokens, "messages", max_tokens, temperature, top_p, stop, options)
+        request = self._prepare(
+            prompt.tokens, "messages", max_tokens, temperature, top_p, stop, options
+        )
+        if prompt.system_prefix is None:
+            return request
+        return dataclasses.replace(request, system_prefix=prompt.system_prefix)
 
     def _prepare(
         self,

@@ -20,7 +20,6 @@ prompt, the previous turn of a conversation, a retry) prefill only the new token
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -30,7 +29,6 @@ from functools import partial
 from typing import Any, Unpack
 
 from trio_mlx.actors.admission import AdmissionController
-from trio_mlx.actors.kv_cache import system_prefix_length
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.request import ActiveRequest, GenerationStream
 from trio_mlx.actors.runner import ModelInfo, Runner
@@ -139,7 +137,7 @@ class Engine:
         the runner snapshots the cache there, so other conversations with the same system prompt
         start from it.
         """
-        request = self._preparer.chat(
+        return self._preparer.chat(
             messages,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -148,19 +146,8 @@ class Engine:
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
             options=options,
+            find_system_prefix=self._kv_cache.enabled,
         )
-        if not self._kv_cache.enabled:
-            return request
-        boundary = system_prefix_length(
-            self.tokenizer,
-            messages,
-            request.prompt_tokens,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        if boundary is None:
-            return request
-        return dataclasses.replace(request, system_prefix=boundary)
 
     # ---- stage 2: admit and run -------------------------------------------------------------
 

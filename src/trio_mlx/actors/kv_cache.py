@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from trio_mlx.engine.prompts import normalize_messages
+from typing import Literal
 
 __all__ = [
     "CacheEntry",
@@ -37,7 +35,6 @@ __all__ = [
     "CacheStats",
     "PrefixCache",
     "StoreDecision",
-    "system_prefix_length",
 ]
 
 #: "system": the rendered system prompt of a chat; "prompt": a request's prompt but its last token
@@ -427,48 +424,3 @@ class PrefixCache:
             only.edge = node.edge + only.edge
             only.parent = node.parent
             node.parent.children[only.edge[0]] = only
-
-
-def system_prefix_length(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]],
-    prompt_tokens: Sequence[int],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> int | None:
-    """How many leading tokens of `prompt_tokens` render only the leading system message(s).
-
-    `prompt_tokens` is what `encode_chat(tokenizer, messages, tools=..., chat_template_kwargs=...)`
-    produced; pass the same `tools` and `chat_template_kwargs`. The leading run of system
-    (or developer) messages is rendered alone, without a generation prompt, and tokenized the
-    same way; its tokens are the boundary if they are a proper prefix of `prompt_tokens`.
-
-    None when there is no leading system message, when the template renders the system part
-    differently once other messages follow (its tokens are then not a prefix), or when the
-    template refuses a conversation of only system messages. Pure tokenizer work.
-    """
-    try:
-        normalized = normalize_messages(messages)
-    except ValueError:
-        return None
-    count = 0
-    while count < len(normalized) and normalized[count]["role"] == "system":
-        count += 1
-    if count == 0:
-        return None
-    kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
-    if tools:
-        kwargs["tools"] = list(tools)
-    try:
-        text = tokenizer.apply_chat_template(
-            normalized[:count], tokenize=False, add_generation_prompt=False, **kwargs
-        )
-    except Exception:  # a template that insists on a user turn, or any Jinja error
-        return None
-    system = tuple(tokenizer.encode(text, add_special_tokens=False))
-    if not 0 < len(system) < len(prompt_tokens):
-        return None
-    if tuple(prompt_tokens[: len(system)]) != system:
-        return None
-    return len(system)

@@ -4,6 +4,7 @@ through the model's chat template. Pure tokenizer work (no MLX): safe on any thr
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from trio_mlx.errors import InvalidRequest
@@ -84,6 +85,15 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat rendered and tokenized: its `tokens`, and `system_prefix`, how many leading tokens
+    render the leading system message(s) alone (None when unknown or not a clean boundary)."""
+
+    tokens: list[int]
+    system_prefix: int | None = None
+
+
 def encode_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -92,6 +102,27 @@ def encode_chat(
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered by the model's chat template, ready for the reply."""
+    return chat_prompt(
+        tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+    ).tokens
+
+
+def chat_prompt(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    find_system_prefix: bool = False,
+) -> ChatPrompt:
+    """`messages` rendered by the model's chat template and tokenized, ready for the reply; with
+    `find_system_prefix`, also where the system prompt ends in the tokens.
+
+    The boundary costs one tokenization, not two, where the tokenizer reports character offsets
+    (a Hugging Face fast tokenizer): the system messages are rendered alone, and if the full text
+    starts with that text and a token ends exactly there, that token count is the boundary.
+    Otherwise it falls back to `system_prefix_length` (tokenizing the system part on its own).
+    """
     normalized = normalize_messages(messages)
     if not getattr(tokenizer, "has_chat_template", False) and not getattr(
         tokenizer, "chat_template", None
@@ -110,4 +141,88 @@ def encode_chat(
         raise InvalidRequest(
             f"the chat template rejected the messages: {exc}", param="messages"
         ) from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    if not find_system_prefix:
+        return ChatPrompt(list(tokenizer.encode(text, add_special_tokens=False)))
+    system_text = _render_system_part(tokenizer, normalized, kwargs)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if system_text is None or backend is None:
+        tokens = list(tokenizer.encode(text, add_special_tokens=False))
+        if system_text is None:
+            return ChatPrompt(tokens)
+        return ChatPrompt(tokens, _system_tokens_prefix(tokenizer, system_text, tokens))
+    encoding = backend.encode(text, add_special_tokens=False)
+    tokens = list(encoding.ids)
+    if not text.startswith(system_text):
+        return ChatPrompt(tokens)
+    end = len(system_text)
+    boundary = None
+    for index, (_start, stop) in enumerate(encoding.offsets):
+        if stop >= end:
+            boundary = index + 1 if stop == end else None
+            break
+    if boundary is not None and not 0 < boundary < len(tokens):
+        boundary = None
+    return ChatPrompt(tokens, boundary)
+
+
+def _render_system_part(
+    tokenizer: Any, normalized: list[dict[str, Any]], kwargs: Mapping[str, Any]
+) -> str | None:
+    """The leading system message(s) rendered alone, without a generation prompt; None when
+    there are none or the template refuses a conversation of only system messages."""
+    count = 0
+    while count < len(normalized) and normalized[count]["role"] == "system":
+        count += 1
+    if count == 0:
+        return None
+    try:
+        text = tokenizer.apply_chat_template(
+            normalized[:count], tokenize=False, add_generation_prompt=False, **kwargs
+        )
+    except Exception:  # a template that insists on a user turn, or any Jinja error
+        return None
+    return text if isinstance(text, str) and text else None
+
+
+def _system_tokens_prefix(
+    tokenizer: Any, system_text: str, prompt_tokens: Sequence[int]
+) -> int | None:
+    system = tuple(tokenizer.encode(system_text, add_special_tokens=False))
+    if not 0 < len(system) < len(prompt_tokens):
+        return None
+    if tuple(prompt_tokens[: len(system)]) != system:
+        return None
+    return len(system)
+
+
+def system_prefix_length(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    prompt_tokens: Sequence[int],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> int | None:
+    """How many leading tokens of `prompt_tokens` render only the leading system message(s),
+    found by tokenizing the system part on its own.
+
+    `prompt_tokens` is what `encode_chat(tokenizer, messages, tools=..., chat_template_kwargs=...)`
+    produced; pass the same `tools` and `chat_template_kwargs`. The leading run of system
+    (or developer) messages is rendered alone, without a generation prompt, and tokenized the
+    same way; its tokens are the boundary if they are a proper prefix of `prompt_tokens`.
+
+    None when there is no leading system message, when the template renders the system part
+    differently once other messages follow (its tokens are then not a prefix), or when the
+    template refuses a conversation of only system messages.
+    """
+    try:
+        normalized = normalize_messages(messages)
+    except InvalidRequest:
+        return None
+    kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = list(tools)
+    system_text = _render_system_part(tokenizer, normalized, kwargs)
+    if system_text is None:
+        return None
+    return _system_tokens_prefix(tokenizer, system_text, prompt_tokens)
