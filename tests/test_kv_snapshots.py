@@ -39,6 +39,7 @@ from trio_mlx.engine.kv_snapshots import (
     probe_snapshot_support,
     restore,
     snapshot,
+    snapshot_prefix,
 )
 
 VOCAB = 49152
@@ -236,6 +237,41 @@ def test_a_longer_entry_trimmed_to_the_common_prefix_continues_like_scratch(llam
     assert got == scratch
     _same, same_logits = _greedy(llama, _prefilled(llama, system + user_two[:5]), user_two[5:], 24)
     np.testing.assert_allclose(np.array(got_logits), np.array(same_logits), atol=1e-4)
+
+
+def test_a_prefix_snapshot_equals_a_snapshot_taken_when_the_cache_held_that_prefix(
+    llama: Any,
+) -> None:
+    # One prefill chunk past the system prompt; the snapshot of its first 24 tokens is taken
+    # afterwards, and must be what a snapshot at 24 tokens would have been.
+    system, user = _tokens(24, seed=40), _tokens(9, seed=41)
+    cache = _prefilled(llama, system + user)
+    cut = snapshot_prefix(cache, 24)
+    at_24 = snapshot(_prefilled(llama, system))
+    assert (cut.length, cut.nbytes, cut.trimmable) == (24, at_24.nbytes, True)
+    for got, want in zip(_host_copy(cut), _host_copy(at_24), strict=True):
+        np.testing.assert_array_equal(got, want)
+    before = _host_copy(cut)
+    _greedy(llama, cache, _tokens(3, seed=42), 8)  # the live cache goes on
+    _assert_unchanged(before, cut)
+    other = _tokens(6, seed=43)
+    got, _ = _greedy(llama, restore(cut), other, 16)
+    assert got == _greedy(llama, make_prompt_cache(llama), system + other, 16)[0]
+
+
+def test_a_prefix_snapshot_refuses_what_cannot_be_cut(llama: Any, mamba_model: Any) -> None:
+    cache = _prefilled(llama, _tokens(10, seed=44))
+    assert snapshot_prefix(cache, 10).length == 10
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="cannot take the first"):
+            snapshot_prefix(cache, bad)
+    wrapped = _windowed(llama, 16)
+    _greedy(llama, wrapped, _tokens(4, seed=45), 20)
+    with pytest.raises(SnapshotUnsupported, match="dropped tokens"):
+        snapshot_prefix(wrapped, 8)
+    recurrent = _prefilled(mamba_model, _tokens(12, seed=46, vocab=256))
+    with pytest.raises(SnapshotUnsupported, match="cannot be cut"):
+        snapshot_prefix(recurrent, 6)
 
 
 def test_restore_to_the_same_length_twice_gives_equal_generations(llama: Any) -> None:

@@ -232,6 +232,22 @@ async def test_cancelling_mid_prefill_leaves_no_entry_for_the_unfinished_prompt(
     assert again.tokens == plain.tokens
 
 
+async def test_the_system_prompt_is_stored_without_splitting_the_prefill(
+    tiny_model_dir: Path,
+) -> None:
+    # KVCache can be cut afterwards: the prefill runs past the system-prompt boundary in one
+    # chunk (no extra forward pass), and the boundary's snapshot is cut from it.
+    async with trio_mlx.open_engine(tiny_model_dir) as engine:
+        request = engine.prepare_chat([SYSTEM, user(USERS[0])], max_tokens=4, temperature=0.0)
+        assert request.system_prefix is not None
+        await engine.chat([SYSTEM, user(USERS[0])], max_tokens=4, temperature=0.0)
+        assert engine.get_stats()["runner"]["prefill_chunks"] == 1
+        stats = engine.get_cache_stats()
+        assert stats["stores"] == 2  # the system prompt, then the conversation
+        other = await engine.chat([SYSTEM, user(USERS[1])], max_tokens=4, temperature=0.0)
+        assert other.cached_tokens >= request.system_prefix
+
+
 async def test_stats_counters_and_clear_runtime_caches(engine: trio_mlx.Engine) -> None:
     stats = engine.get_cache_stats()
     assert stats["enabled"] and stats["supported"]

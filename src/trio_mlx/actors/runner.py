@@ -24,12 +24,14 @@ Prefix caching (when a `KVCacheManager` is attached and enabled), through the ru
 `SnapshotKeeper` (which holds the snapshots and talks to the book):
 - a new job starts from the keeper's restored copy of the longest cached prefix, if any, and
   prefills the rest;
-- a prefill chunk that ends on one of the job's store points (a chat's system prompt; the whole
-  prompt but its last token where the final entry cannot serve a retry), and the
-  end of a request whose prefill completed (finished, or aborted, e.g. by a stop string): the
-  keeper snapshots what the cache holds, keyed by `ActiveSequence.fed_tokens()`, before the
-  step's events are delivered. A request aborted during prefill, or one that failed, stores
-  nothing at its end.
+- a prefill chunk that reaches one of the job's store points (a chat's system prompt; the whole
+  prompt but its last token where the final entry cannot serve a retry): the keeper snapshots
+  the cache's first that-many tokens (prefill runs past the points when the model's cache can be
+  cut afterwards, and stops at them otherwise);
+- the end of a request whose prefill completed (finished, or aborted, e.g. by a stop string):
+  the keeper snapshots what the cache holds, keyed by `ActiveSequence.fed_tokens()`;
+  both before the step's events are delivered. A request aborted during prefill, or one that
+  failed, stores nothing at its end.
 - `_ClearSnapshots`: drops every snapshot, empties the book, frees MLX's buffer cache.
 """
 
@@ -380,8 +382,9 @@ class Runner:
                     else:
                         counters.decode_steps += 1
                     counters.generated_tokens += len(result.tokens)
-                    if result.at_store_point:
-                        self._snapshots.store(seq, "prompt" if seq.prefill_left == 1 else "system")
+                    last = len(seq.job.prompt_tokens) - 1
+                    for point in result.store_points:
+                        self._snapshots.store(seq, "prompt" if point == last else "system", point)
                     if result.finish is not None:
                         del live[request_id]
                         self._snapshots.store(seq, "conversation")
@@ -409,6 +412,8 @@ class Runner:
         """Apply every queued command; return the events they cause (a job that cannot start)."""
         events: list[SequenceEvent] = []
         vocab_size = self.info.vocab_size if self.info is not None else len(loaded.tokenizer)
+        support = self.info.cache_support if self.info is not None else None
+        trimmable = support is not None and support.trimmable
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -437,6 +442,7 @@ class Runner:
                     max_kv_size=self._max_kv_size,
                     cache=cache,
                     cached_tokens=cached_tokens,
+                    split_at_store_points=not trimmable,
                 )
                 self.counters.started += 1
             except Exception as exc:

@@ -7,8 +7,9 @@ Every method runs on the runner thread, between two steps:
 - `restore_for(job)`: ask the book for the longest cached prefix of the prompt; on a hit, a
   restored copy of that snapshot (never the snapshot itself) and its length. A hit whose snapshot
   is missing (evicted meanwhile) or fails to restore is forgotten and the job prefills in full.
-- `store(seq, kind)`: snapshot what the sequence's cache holds now (its `fed_tokens`), enter it
-  in the book, keep it if the book took it, and drop what the book evicted to make room.
+- `store(seq, kind, length)`: snapshot what the sequence's cache holds now (its `fed_tokens`),
+  or only its first `length` tokens, enter it in the book, keep it if the book took it, and
+  drop what the book evicted to make room.
 - `clear()`: drop every snapshot, empty the book, free MLX's buffer cache.
 - `drop_all()`: release every snapshot (the runner is stopping; MLX arrays are freed on the
   thread that made them).
@@ -26,7 +27,7 @@ import trio
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob
-from trio_mlx.engine.kv_snapshots import KVSnapshot, restore, snapshot
+from trio_mlx.engine.kv_snapshots import KVSnapshot, restore, snapshot, snapshot_prefix
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +95,24 @@ class SnapshotKeeper:
         self._on_trio(manager.forget, hit.entry_id)
         return None, 0
 
-    def store(self, seq: ActiveSequence, kind: CacheKind) -> None:
-        """Snapshot what `seq`'s cache holds now and enter it in the book (at a step boundary)."""
+    def store(self, seq: ActiveSequence, kind: CacheKind, length: int | None = None) -> None:
+        """Snapshot what `seq`'s cache holds now, or its first `length` tokens, and enter it in
+        the book (at a step boundary)."""
         manager = self._book()
         if manager is None:
             return
         tokens = seq.fed_tokens()
+        cut = length is not None and length < len(tokens)
+        if cut:
+            tokens = tokens[:length]
         if not manager.accepts(len(tokens)):
             return
         began = time.perf_counter()
         try:
-            snap = snapshot(seq.cache, len(tokens))
+            if cut:
+                snap = snapshot_prefix(seq.cache, len(tokens))
+            else:
+                snap = snapshot(seq.cache, len(tokens))
         except Exception:
             log.exception("request %d: the cache could not be snapshotted", seq.job.request_id)
             self.counters.snapshot_failures += 1

@@ -12,9 +12,12 @@ logits processors are active, steps run one at a time (a processor must see ever
 it shapes the next); once every retiring processor has retired, pipelining resumes.
 
 Prefix caching: a sequence may start from a restored cache that already holds the first
-`cached_tokens` prompt tokens (it then prefills only the rest), and its prefill chunks end exactly
-at the job's `store_points` so that the runner can snapshot the cache there. `fed_tokens` tells
-which tokens the cache holds at any step boundary (the key of a snapshot taken then).
+`cached_tokens` prompt tokens (it then prefills only the rest). Each step reports the job's
+`store_points` its prefill reached, so that the runner can snapshot the cache there: with
+`split_at_store_points` (a cache that cannot be cut afterwards) prefill chunks end exactly at
+them; otherwise chunks run past them (no extra forward pass, which costs milliseconds on a GPU)
+and the runner snapshots the prefix (`kv_snapshots.snapshot_prefix`). `fed_tokens` tells which
+tokens the cache holds at any step boundary (the key of a snapshot taken then).
 """
 
 from __future__ import annotations
@@ -65,15 +68,16 @@ class StepResult:
 
     `tokens` are new completion tokens (EOS never included), with their `logprobs` when asked for.
     `finish` is `"stop"` (EOS) or `"length"` (max_tokens) when the sequence is done, else None.
-    `prefilled` counts the prompt tokens processed by this step. `at_store_point`: this prefill
-    chunk ended on one of the job's store points (the cache now holds exactly `fed_tokens`).
+    `prefilled` counts the prompt tokens processed by this step. `store_points`: the job's store
+    points this prefill chunk reached (each at most `len(fed_tokens())`; with
+    `split_at_store_points`, at most one, equal to it).
     """
 
     tokens: tuple[int, ...] = ()
     finish: str | None = None
     prefilled: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
-    at_store_point: bool = False
+    store_points: tuple[int, ...] = ()
 
 
 class _Pending:
@@ -110,6 +114,7 @@ class ActiveSequence:
         max_kv_size: int | None = None,
         cache: list[Any] | None = None,
         cached_tokens: int = 0,
+        split_at_store_points: bool = True,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
@@ -128,6 +133,7 @@ class ActiveSequence:
         self.cached_tokens = cached_tokens
         last = len(job.prompt_tokens) - 1
         self._store_points = sorted({p for p in job.store_points if cached_tokens < p <= last})
+        self._split = split_at_store_points
         self._fed_generated: list[int] = []  # generated tokens that went through the model
         self._selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
         self._processors: list[LogitsProcessor] = list(job.logits_processors)
@@ -178,17 +184,17 @@ class ActiveSequence:
         if remaining > 1:
             n = min(self._prefill_step_size, remaining - 1)
             points = self._store_points
-            while points and points[0] <= self._prompt_done:
-                points.pop(0)
-            if points:
+            if points and self._split:
                 n = min(n, points[0] - self._prompt_done)
             chunk = self._prompt[self._prompt_done : self._prompt_done + n]
             self._model(chunk[None], cache=self._cache)
             mx.eval([c.state for c in self._cache])
             self._prompt_done += n
             mx.clear_cache()
-            at_point = bool(points) and points[0] == self._prompt_done
-            return StepResult(prefilled=n, at_store_point=at_point)
+            reached = []
+            while points and points[0] <= self._prompt_done:
+                reached.append(points.pop(0))
+            return StepResult(prefilled=n, store_points=tuple(reached))
         if self._current is None:
             last = self._prompt[self._prompt_done :]
             self._prompt_done += len(last)

@@ -50,6 +50,7 @@ __all__ = [
     "probe_snapshot_support",
     "restore",
     "snapshot",
+    "snapshot_prefix",
 ]
 
 
@@ -117,10 +118,11 @@ class _KVLayer:
     trimmable = True
 
     @classmethod
-    def take(cls, c: KVCache) -> _KVLayer:
+    def take(cls, c: KVCache, upto: int | None = None) -> _KVLayer:
+        n = _cut(c.offset, upto)
         if c.keys is None:
             return cls(None, None, 0)
-        return cls(_compact(c.keys, c.offset), _compact(c.values, c.offset), c.offset)
+        return cls(_compact(c.keys, n), _compact(c.values, n), n)
 
     def arrays(self) -> list[Any]:
         return [a for a in (self.keys, self.values) if a is not None]
@@ -145,12 +147,13 @@ class _QuantizedLayer:
     trimmable = True
 
     @classmethod
-    def take(cls, c: QuantizedKVCache) -> _QuantizedLayer:
+    def take(cls, c: QuantizedKVCache, upto: int | None = None) -> _QuantizedLayer:
+        n = _cut(c.offset, upto)
         if c.keys is None:
             return cls(None, None, 0, c.group_size, c.bits)
-        keys = tuple(_compact(x, c.offset) for x in c.keys)
-        values = tuple(_compact(x, c.offset) for x in c.values)
-        return cls(keys, values, c.offset, c.group_size, c.bits)
+        keys = tuple(_compact(x, n) for x in c.keys)
+        values = tuple(_compact(x, n) for x in c.values)
+        return cls(keys, values, n, c.group_size, c.bits)
 
     def arrays(self) -> list[Any]:
         return [*(self.keys or ()), *(self.values or ())]
@@ -179,13 +182,17 @@ class _RotatingLayer:
         return self.idx == self.offset <= self.max_size
 
     @classmethod
-    def take(cls, c: RotatingKVCache) -> _RotatingLayer:
+    def take(cls, c: RotatingKVCache, upto: int | None = None) -> _RotatingLayer:
+        unwrapped = c._idx == c.offset <= c.max_size
+        if upto is not None and not unwrapped:
+            raise SnapshotUnsupported("a RotatingKVCache that has dropped tokens cannot be cut")
+        n = _cut(c.offset, upto)
         if c.keys is None:
             return cls(None, None, c.offset, c._idx, c.keep, c.max_size)
-        if c._idx == c.offset <= c.max_size:
+        if unwrapped:
             # Not wrapped: the first `offset` positions are the whole content, in order.
-            keys, values = _compact(c.keys, c.offset), _compact(c.values, c.offset)
-            return cls(keys, values, c.offset, c.offset, c.keep, c.max_size)
+            keys, values = _compact(c.keys, n), _compact(c.values, n)
+            return cls(keys, values, n, n, c.keep, c.max_size)
         # Wrapped (or trimmed by a long prefill): the buffer layout is part of the state.
         return cls(_own(c.keys), _own(c.values), c.offset, c._idx, c.keep, c.max_size)
 
@@ -216,7 +223,9 @@ class _ArraysLayer:
     trimmable = False
 
     @classmethod
-    def take(cls, c: ArraysCache) -> _ArraysLayer:
+    def take(cls, c: ArraysCache, upto: int | None = None) -> _ArraysLayer:
+        if upto is not None:
+            raise SnapshotUnsupported("a recurrent state (ArraysCache) cannot be cut")
         return cls(tuple(_own(x) for x in c.cache), _own(c.left_padding), _own(c.lengths))
 
     def arrays(self) -> list[Any]:
@@ -238,8 +247,8 @@ class _ListLayer:
         return all(child.trimmable for child in self.children)
 
     @classmethod
-    def take(cls, c: CacheList) -> _ListLayer:
-        return cls(tuple(_take(child) for child in c.caches))
+    def take(cls, c: CacheList, upto: int | None = None) -> _ListLayer:
+        return cls(tuple(_take(child, upto) for child in c.caches))
 
     def arrays(self) -> list[Any]:
         return [a for child in self.children for a in child.arrays()]
@@ -251,20 +260,30 @@ class _ListLayer:
 _Layer = _KVLayer | _QuantizedLayer | _RotatingLayer | _ArraysLayer | _ListLayer
 
 
-def _take(c: Any) -> _Layer:
+def _take(c: Any, upto: int | None = None) -> _Layer:
+    """The layer's state; with `upto`, only its first `upto` tokens (trimmable layers only)."""
     reason = _layer_problem(c)
     if reason is not None:
         raise SnapshotUnsupported(reason)
     if isinstance(c, KVCache):
-        return _KVLayer.take(c)
+        return _KVLayer.take(c, upto)
     if isinstance(c, QuantizedKVCache):
-        return _QuantizedLayer.take(c)
+        return _QuantizedLayer.take(c, upto)
     if isinstance(c, RotatingKVCache):
-        return _RotatingLayer.take(c)
+        return _RotatingLayer.take(c, upto)
     if isinstance(c, ArraysCache):
-        return _ArraysLayer.take(c)
+        return _ArraysLayer.take(c, upto)
     assert isinstance(c, CacheList)
-    return _ListLayer.take(c)
+    return _ListLayer.take(c, upto)
+
+
+def _cut(offset: int, upto: int | None) -> int:
+    """How many tokens to take from a layer holding `offset`."""
+    if upto is None:
+        return offset
+    if not 0 < upto <= offset:
+        raise ValueError(f"cannot take the first {upto} tokens of a cache holding {offset}")
+    return upto
 
 
 def _offsets(layer: _Layer) -> list[int]:
@@ -348,6 +367,23 @@ def snapshot(cache: Sequence[Any], length: int | None = None) -> KVSnapshot:
         raise ValueError(f"the cache holds {sorted(offsets)} tokens, not length={length}")
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
+    arrays = [a for layer in layers for a in layer.arrays()]
+    mx.eval(arrays)
+    return KVSnapshot(
+        layers=layers,
+        length=length,
+        nbytes=sum(int(a.nbytes) for a in arrays),
+        trimmable=all(layer.trimmable for layer in layers),
+    )
+
+
+def snapshot_prefix(cache: Sequence[Any], length: int) -> KVSnapshot:
+    """Like `snapshot`, of only the first `length` tokens of a live cache that holds more (or
+    exactly `length`): what `snapshot` would have returned had it been called when the cache held
+    `length` tokens. Only trimmable caches can be cut this way (`KVCache`, `QuantizedKVCache`, a
+    `RotatingKVCache` that has not dropped a token, lists of those); others raise
+    `SnapshotUnsupported`. Copies only the prefix."""
+    layers = tuple(_take(c, length) for c in cache)
     arrays = [a for layer in layers for a in layer.arrays()]
     mx.eval(arrays)
     return KVSnapshot(
