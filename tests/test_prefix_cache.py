@@ -246,6 +246,28 @@ async def test_the_system_prompt_is_stored_without_splitting_the_prefill(
         assert stats["stores"] == 2  # the system prompt, then the conversation
         other = await engine.chat([SYSTEM, user(USERS[1])], max_tokens=4, temperature=0.0)
         assert other.cached_tokens >= request.system_prefix
+        # Its short new tail went through the model with the first token: no prefill chunk.
+        assert len(other.tokens) == 4 and other.prompt_tokens - other.cached_tokens > 1
+        assert engine.get_stats()["runner"]["prefill_chunks"] == 1
+
+
+async def test_a_short_chat_stores_its_system_prompt_from_the_first_token_step(
+    tiny_model_dir: Path,
+) -> None:
+    system = {"role": "system", "content": "Be brief."}
+    async with trio_mlx.open_engine(tiny_model_dir) as engine:
+        request = engine.prepare_chat([system, user("Hi")], max_tokens=3, temperature=0.0)
+        assert request.system_prefix is not None and len(request.prompt_tokens) <= 64
+        await engine.chat([system, user("Hi")], max_tokens=3, temperature=0.0)
+        assert engine.get_stats()["runner"]["prefill_chunks"] == 0
+        assert engine.get_cache_stats()["stores"] == 2  # the system prompt, the conversation
+        other = await engine.chat([system, user("Hello there")], max_tokens=3, temperature=0.0)
+    assert other.cached_tokens >= request.system_prefix
+    async with trio_mlx.open_engine(tiny_model_dir, cache_memory_bytes=0) as plain_engine:
+        plain = await plain_engine.chat(
+            [system, user("Hello there")], max_tokens=3, temperature=0.0
+        )
+    assert other.tokens == plain.tokens
 
 
 async def test_stats_counters_and_clear_runtime_caches(engine: trio_mlx.Engine) -> None:

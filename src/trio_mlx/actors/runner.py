@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 ModelLoader = Callable[[str | Path | None], LoadedModel]
 
 #: Seconds without work after which the runner frees MLX's buffer cache.
-IDLE_TRIM_SECONDS = 2.0
+IDLE_TRIM_SECONDS = 30.0
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,15 @@ A step is either one prefill chunk (at most `prefill_step_size` prompt tokens) o
 (one new token). Between steps the runner is free to look at its inbox, so an abort takes effect
 within one chunk or one token.
 
-The arithmetic mirrors `mlx_lm.generate_step` so that greedy output is identical token for token:
-all prompt tokens but the last go through the model in chunks, the last one alone produces the
-first logits. Without logits processors each decode step queues the next token's computation
-(`mx.async_eval`) before reading the current one, so the device never waits on Python. While
-logits processors are active, steps run one at a time (a processor must see every token before
-it shapes the next); once every retiring processor has retired, pipelining resumes.
+The arithmetic follows `mlx_lm.generate_step`: the prompt goes through the model in chunks of
+`prefill_step_size` tokens and the last position's logits give the first token; where mlx-lm always
+feeds the last prompt token alone, a tail of at most `FUSED_TAIL_TOKENS` tokens (and at most
+`prefill_step_size`) goes in that same forward pass (one forward pass fewer; greedy output can
+differ from mlx-lm's only where two logits tie within rounding). Without logits processors each
+decode step queues the next token's computation (`mx.async_eval`) before reading the current one,
+so the device never waits on Python. While logits processors are active, steps run one at a time (a
+processor must see every token before it shapes the next); once every retiring processor has
+retired, pipelining resumes.
 
 Prefix caching: a sequence may start from a restored cache that already holds the first
 `cached_tokens` prompt tokens (it then prefills only the rest). Each step reports the job's
@@ -22,6 +25,7 @@ tokens the cache holds at any step boundary (the key of a snapshot taken then).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +35,12 @@ import mlx.core as mx
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.types import SamplingParams, TokenLogprob
+
+#: A prompt tail this short goes through the model together with the last prompt token (whose
+#: logits give the first token) instead of as a chunk of its own: one forward pass fewer, which
+#: on a GPU costs about as much as a decode step, for computing the output layer on a few more
+#: positions. It is what a cached request (restored prefix, short new suffix) mostly prefills.
+FUSED_TAIL_TOKENS = 64
 
 
 class LogitsProcessor(Protocol):
@@ -181,7 +191,10 @@ class ActiveSequence:
         if self.finished:
             return StepResult(finish="length")
         remaining = len(self.job.prompt_tokens) - self._prompt_done
-        if remaining > 1:
+        fuse_tail = remaining <= min(FUSED_TAIL_TOKENS, self._prefill_step_size) and not (
+            self._split and self._store_points
+        )
+        if remaining > 1 and not fuse_tail:
             n = min(self._prefill_step_size, remaining - 1)
             points = self._store_points
             if points and self._split:
@@ -200,7 +213,12 @@ class ActiveSequence:
             self._prompt_done += len(last)
             self._current = self._forward(last)
             mx.async_eval(*self._current.arrays())
-            return self._decode_one(prefilled=len(last))
+            result = self._decode_one(prefilled=len(last))
+            if not self._store_points:
+                return result
+            tail_points = tuple(self._store_points)  # all within the prompt, now all reached
+            self._store_points.clear()
+            return dataclasses.replace(result, store_points=tail_points)
         return self._decode_one(prefilled=0)
 
     def _forward(self, tokens: Any) -> _Pending:
