@@ -93,10 +93,15 @@ def instrument() -> None:
     original_step = Seq.step
 
     def step(self: Any) -> Any:
-        kind = "prefill" if self.prefill_left > 1 else ("first" if self.in_prefill else "decode")
-        stamp(f"{kind}>")
+        in_prefill = self.in_prefill
+        began = time.perf_counter()
         result = original_step(self)
-        stamp(f"{kind}<")
+        ended = time.perf_counter()
+        # A prefill chunk yields no token; the step that yields the first one is "first" (it
+        # may carry a short prompt tail with it).
+        kind = "decode" if not in_prefill else ("first" if result.tokens else "prefill")
+        with _LOCK:
+            STAMPS.extend(((f"{kind}>", began), (f"{kind}<", ended)))
         return result
 
     Seq.step = step  # type: ignore[method-assign]
