@@ -131,3 +131,23 @@ async def test_a_dead_runner_thread_fails_requests_and_the_engine_says_so(
             with pytest.raises(trio_mlx.EngineCrashed):
                 await engine.generate(PROMPT, max_tokens=2)
     assert runner_threads() == []
+
+
+async def test_mlx_buffers_are_kept_between_requests_and_freed_once_idle(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Back-to-back requests reuse MLX's buffer cache (freeing and reallocating it costs
+    # milliseconds per request on a GPU); an idle engine hands it back.
+    import mlx.core as mx
+
+    from trio_mlx.actors import runner
+
+    monkeypatch.setattr(runner, "IDLE_TRIM_SECONDS", 1.0)
+    async with trio_mlx.open_engine(tiny_model_dir, cache_memory_bytes=0) as engine:
+        await engine.generate("Once upon a time", max_tokens=8, temperature=0.0)
+        assert mx.get_cache_memory() > 0
+        with trio.fail_after(10):
+            while mx.get_cache_memory() > 0:  # noqa: ASYNC110 (MLX has no event to wait on)
+                await trio.sleep(0.05)
+        await engine.generate("Once upon a time", max_tokens=8, temperature=0.0)
+        assert mx.get_cache_memory() > 0
