@@ -367,6 +367,11 @@ def snapshot(cache: Sequence[Any], length: int | None = None) -> KVSnapshot:
         raise ValueError(f"the cache holds {sorted(offsets)} tokens, not length={length}")
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
+    return _evaluated(layers, length)
+
+
+def _evaluated(layers: tuple[_Layer, ...], length: int) -> KVSnapshot:
+    """The snapshot of `layers`, their copies computed now."""
     arrays = [a for layer in layers for a in layer.arrays()]
     mx.eval(arrays)
     return KVSnapshot(
@@ -384,14 +389,7 @@ def snapshot_prefix(cache: Sequence[Any], length: int) -> KVSnapshot:
     `RotatingKVCache` that has not dropped a token, lists of those); others raise
     `SnapshotUnsupported`. Copies only the prefix."""
     layers = tuple(_take(c, length) for c in cache)
-    arrays = [a for layer in layers for a in layer.arrays()]
-    mx.eval(arrays)
-    return KVSnapshot(
-        layers=layers,
-        length=length,
-        nbytes=sum(int(a.nbytes) for a in arrays),
-        trimmable=all(layer.trimmable for layer in layers),
-    )
+    return _evaluated(layers, length)
 
 
 def restore(snap: KVSnapshot, length: int | None = None) -> list[Any]:
