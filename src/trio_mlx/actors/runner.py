@@ -244,7 +244,7 @@ class Runner:
 
     def use_prefix_cache(self, manager: KVCacheManager) -> None:
         """Attach the kv_cache actor. Call once, before the first `submit`."""
-        self._snapshots.attach(manager, self._token)
+        self._snapshots.attach(manager)
 
     async def clear_snapshots(self) -> dict[str, Any] | None:
         """Drop every snapshot on the runner thread, empty the book, and free MLX's buffer cache,
@@ -289,8 +289,8 @@ class Runner:
     def _wait_for_command(self) -> bool:
         """On the runner thread: block until a command is queued (True) or a stop is asked
         (False). After `IDLE_TRIM_SECONDS` with nothing to do, MLX's buffer cache is returned to
-        the device once (a request arriving sooner reuses the buffers of the one before: freeing
-        and reallocating them costs milliseconds per request on a GPU)."""
+        the device once (a request arriving sooner reuses the buffers of the one before instead
+        of allocating them again)."""
         import mlx.core as mx
 
         trimmed = False

@@ -55,12 +55,12 @@ class SnapshotKeeper:
         self._token: trio.lowlevel.TrioToken | None = None
         self._snapshots: dict[int, KVSnapshot] = {}
 
-    def attach(self, manager: KVCacheManager, token: trio.lowlevel.TrioToken | None) -> None:
-        """Use `manager` as the book; `token` is the Trio run it lives in."""
+    def attach(self, manager: KVCacheManager) -> None:
+        """Use `manager` as the book."""
         self._manager = manager
-        self._token = token
 
     def set_token(self, token: trio.lowlevel.TrioToken) -> None:
+        """The Trio run the book lives in (set before the runner thread uses the keeper)."""
         self._token = token
 
     def _book(self) -> KVCacheManager | None:
