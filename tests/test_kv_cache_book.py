@@ -6,6 +6,7 @@ import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +18,12 @@ from trio_mlx.actors.kv_cache import (
     PrefixCache,
     StoreDecision,
 )
-from trio_mlx.engine.prompts import chat_prompt, encode_chat, system_prefix_length
+from trio_mlx.engine.prompts import (
+    SystemPromptTokens,
+    chat_prompt,
+    encode_chat,
+    system_prefix_length,
+)
 
 BIG = 1 << 40
 
@@ -373,6 +379,67 @@ def test_the_one_pass_boundary_matches_tokenizing_the_system_part_alone(
     prompt = chat_prompt(tokenizer, messages, find_system_prefix=True)
     assert prompt.tokens == encode_chat(tokenizer, messages)
     assert prompt.system_prefix == system_prefix_length(tokenizer, messages, prompt.tokens)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    system=st.text(min_size=0, max_size=60),
+    users=st.lists(
+        st.text(min_size=0, max_size=30) | st.sampled_from(["<|im_start|>", " <|im_end|>\n"]),
+        min_size=2,
+        max_size=4,
+    ),
+)
+def test_a_known_system_prompt_is_not_tokenized_again_and_nothing_changes(
+    tokenizer: Any, system: str, users: list[str]
+) -> None:
+    known = SystemPromptTokens(tokenizer)
+    for text in users:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        fast = chat_prompt(tokenizer, messages, find_system_prefix=True, known_systems=known)
+        plain = chat_prompt(tokenizer, messages, find_system_prefix=True)
+        assert (fast.tokens, fast.system_prefix) == (plain.tokens, plain.system_prefix)
+    assert not known.disabled
+    assert known.hits == len(users) - 1  # every request after the first
+
+
+def test_a_tokenizer_that_does_not_split_cleanly_is_not_split_again() -> None:
+    class Merging:
+        """Tokens are characters, except that "AB" is one token: no split between A and B."""
+
+        chat_template = "|"
+
+        def get_added_vocab(self) -> dict[str, int]:
+            return {"B": 1}
+
+        def apply_chat_template(self, messages: Any, **kwargs: Any) -> str:
+            return "".join(m["content"] for m in messages)
+
+        @property
+        def backend_tokenizer(self) -> Any:
+            return self
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> Any:
+            ids, offsets, i = [], [], 0
+            while i < len(text):
+                step = 2 if text.startswith("AB", i) else 1
+                ids.append(hash(text[i : i + step]) % 1000)
+                offsets.append((i, i + step))
+                i += step
+            return SimpleNamespace(ids=ids, offsets=offsets)
+
+    tokenizer = Merging()
+    known = SystemPromptTokens(tokenizer)
+    messages = [{"role": "system", "content": "xA"}, {"role": "user", "content": "By"}]
+    first = chat_prompt(tokenizer, messages, find_system_prefix=True, known_systems=known)
+    assert first.system_prefix is None  # "AB" straddles the boundary
+    messages = [{"role": "system", "content": "xy"}, {"role": "user", "content": "Bz"}]
+    assert chat_prompt(tokenizer, messages, find_system_prefix=True, known_systems=known)
+    assert not known.disabled and known.hits == 0
+    known.offer("xA", [1, 2, 3], 2, [9])  # a check that fails
+    assert known.disabled and not known.splits_before("B")
 
 
 def test_without_character_offsets_the_boundary_comes_from_a_second_tokenization() -> None:

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from trio_mlx.engine.decode import LogitsProcessor
-from trio_mlx.engine.prompts import chat_prompt, check_token_ids, encode_text
+from trio_mlx.engine.prompts import (
+    SystemPromptTokens,
+    chat_prompt,
+    check_token_ids,
+    encode_text,
+)
 from trio_mlx.engine.thinking import ThinkingBudget
 from trio_mlx.errors import InvalidRequest, PromptTooLong
 from trio_mlx.types import SamplingParams
@@ -85,6 +90,7 @@ class RequestPreparer:
         max_tokens_limit: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.known_systems = SystemPromptTokens(tokenizer)
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.default_max_tokens = default_max_tokens
@@ -126,6 +132,7 @@ class RequestPreparer:
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
             find_system_prefix=find_system_prefix,
+            known_systems=self.known_systems if find_system_prefix else None,
         )
         request = self._prepare(
             prompt.tokens, "messages", max_tokens, temperature, top_p, stop, options
