@@ -1073,19 +1073,7 @@ def render_png(report: dict[str, Any], out: Path) -> str:
         ax = row[0]
         width = 0.8 / max(1, len(present))
         for i, system in enumerate(present):
-            values = [
-                next(
-                    (
-                        r["decode_tps"] or 0
-                        for r in summary
-                        if r["system"] == system
-                        and r["prompt_tokens"] == p
-                        and r["concurrency"] == 1
-                    ),
-                    0,
-                )
-                for p in prompts
-            ]
+            values = [single_stream_decode(summary, system, p) for p in prompts]
             xs = [j + i * width for j in range(len(prompts))]
             ax.bar(xs, values, width, label=LABELS[system], color=colours[system])
         ax.set_xticks([j + width * (len(present) - 1) / 2 for j in range(len(prompts))])
@@ -1124,6 +1112,18 @@ def render_png(report: dict[str, Any], out: Path) -> str:
     return "matplotlib"
 
 
+def single_stream_decode(summary: list[dict[str, Any]], system: str, prompt: int) -> float:
+    """The median single-stream decode tok/s of `system` at `prompt` tokens (0 when absent)."""
+    return next(
+        (
+            r["decode_tps"] or 0
+            for r in summary
+            if r["system"] == system and r["prompt_tokens"] == prompt and r["concurrency"] == 1
+        ),
+        0,
+    )
+
+
 def write_bare_png(report: dict[str, Any], out: Path) -> None:
     """A label-less bar chart (single-stream decode tok/s, systems in SYSTEMS order, one group per
     model and prompt length) written with zlib alone."""
@@ -1134,21 +1134,7 @@ def write_bare_png(report: dict[str, Any], out: Path) -> None:
     for model in report["models"]:
         summary = summarize(model)
         for p in sorted({r["prompt_tokens"] for r in summary}):
-            groups.append(
-                [
-                    next(
-                        (
-                            r["decode_tps"] or 0
-                            for r in summary
-                            if r["system"] == s
-                            and r["prompt_tokens"] == p
-                            and r["concurrency"] == 1
-                        ),
-                        0,
-                    )
-                    for s in SYSTEMS
-                ]
-            )
+            groups.append([single_stream_decode(summary, s, p) for s in SYSTEMS])
     colours = [(85, 85, 85), (31, 119, 180), (44, 160, 44), (255, 127, 14), (214, 39, 40)]
     w, h = 40 + 130 * max(1, len(groups)), 300
     top = max([v for g in groups for v in g] + [1])
