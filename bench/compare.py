@@ -352,8 +352,8 @@ def vllm_problem(python: str) -> str | None:
     """Why vllm-mlx's server cannot run from `python` (None if it imports)."""
     if python == "none":
         return (
-            "not installed on this host: vllm-mlx needs mlx-lm<0.32 (this host has 0.32) and ~20 "
-            "further packages, and the host has no package index"
+            "not installed (--vllm-python none): vllm-mlx needs mlx-lm<0.32 in a site of its own; "
+            "on the GPU host see bench/gpu_run.sh install-vllm"
         )
     if not Path(python).exists():
         return f"no vllm-mlx venv: {python} does not exist"

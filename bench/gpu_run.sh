@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench/compare.py on the H200 host: synthetic Llama-3.2-1B (bf16) and Llama-3-8B (4-bit) shapes,
 # raw mlx-lm vs the trio-mlx engine vs `trio-mlx serve` vs mlx_lm.server, in about 8 minutes.
-# (vllm-mlx is not installable there: it needs mlx-lm<0.32 and a package index; it is skipped
-# with that reason.)
+# vllm-mlx needs mlx-lm<0.32, so it gets a site of its own on the host (/tmp/site-vllm, before
+# /tmp/site on its path, run through the wrapper /tmp/vllm-python); without it it is skipped.
 #
 # Here, in the checkout (once):
 #   bash bench/gpu_run.sh stage
@@ -11,6 +11,8 @@
 # On the GPU host (device tool, from the checkout root):
 #   step 1, carry [".whl/1"]:  bash .whl/1/on-gpu-host stash
 #   step 2, carry [".whl/2"]:  bash .whl/2/on-gpu-host install && bash bench/gpu_run.sh
+# With vllm-mlx: `bash bench/gpu_run.sh stage-vllm` here (fills .whl/3, ~19 MB), and on the host,
+# between steps 1 and 2 or after step 2: carry [".whl/3"], `bash bench/gpu_run.sh install-vllm`.
 # The results land in $OUT (JSON, markdown, a label-less PNG as matplotlib is absent there, and
 # logs.tar.gz). Back here, redraw the plot with matplotlib:
 #   python -m bench.compare --render docs/benchmarks/<name>.json
@@ -42,6 +44,37 @@ PINS=(
   anyio==4.16.0
 )
 
+# vllm-mlx 0.6.0 and what its server imports, as in the CPU runs' venv (docs/benchmarks/README.md).
+VLLM_PINS=(
+  vllm-mlx==0.6.0 mlx-lm==0.31.3 fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7
+  uvicorn==0.55.0 python-multipart==0.0.34 psutil==7.2.2 pillow==13.0.0 tabulate==0.10.0
+  pytz==2026.6 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
+  rpds-py==2026.9.1 prometheus_client==0.26.0 opentelemetry-api==1.45.2 rich==15.0.0
+  markdown-it-py==4.3.0 mdurl==0.1.2 Pygments==2.21.0 typer==0.29.2 shellingham==1.5.4
+  tqdm==4.70.1 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1
+  charset-normalizer==3.5.3 regex==2026.11.19 huggingface_hub==2.4.0 hf-xet==1.8.0
+  fsspec==2026.9.0 filelock==4.3.1
+)
+
+if [[ "${1:-}" == "stage-vllm" ]]; then
+  rm -rf .whl/3 && mkdir -p .whl/3
+  platforms=()
+  for n in 17 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    -d .whl/3 "${VLLM_PINS[@]}"
+  du -sh .whl/3
+  exit 0
+fi
+if [[ "${1:-}" == "install-vllm" ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site-vllm .whl/3/*.whl
+  printf '#!/bin/sh\nPYTHONPATH=/tmp/site-vllm:/tmp/site exec python3 "$@"\n' > /tmp/vllm-python
+  chmod +x /tmp/vllm-python
+  /tmp/vllm-python -c 'import vllm_mlx.server, mlx_lm, mlx.core as mx; print("vllm-mlx ready:", mlx_lm.__version__, mx.default_device())'
+  exit 0
+fi
+
 if [[ "${1:-}" == "stage" ]]; then
   ../shared/gpu/stage-wheels "${PINS[@]}" "${@:2}"  # extra packages after "stage"
   tok=$(/tmp/venv/bin/python -c 'from trio_mlx.engine.model_spec import resolve_model_path as r; print(r(None).path)')
@@ -67,7 +100,8 @@ TIMEOUT_PAD=${TIMEOUT_PAD:-60}
 WORK=/tmp/trio-mlx-compare
 common=(--systems raw,engine,http,mlx_lm_server,vllm_mlx --prompt-tokens 128,2048 --max-tokens 256
         --concurrency 1,4,16 --repeats "$REPEATS" --workdir "$WORK" --cell-timeout-s 120
-        --server-start-timeout-s 180 --vllm-python none --engine-own-weights)
+        --server-start-timeout-s 180 --engine-own-weights)
+if [[ -x /tmp/vllm-python ]]; then common+=(--vllm-python /tmp/vllm-python); else common+=(--vllm-python none); fi
 stamp=$(date +%Y-%m-%d)
 status=0
 for model in $MODELS; do
