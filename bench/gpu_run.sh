@@ -52,9 +52,8 @@ VLLM_PINS=(
   rpds-py==2026.9.1 prometheus_client==0.26.0 opentelemetry-api==1.45.2 rich==15.0.0
   markdown-it-py==4.3.0 mdurl==0.1.2 Pygments==2.21.0 typer==0.29.2 shellingham==1.5.4
   tqdm==4.70.1 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1
-  charset-normalizer==3.5.3 regex==2026.11.19 huggingface_hub==2.4.0 hf-xet==1.8.0
-  fsspec==2026.9.0 filelock==4.3.1
-)
+  charset-normalizer==3.5.3 regex==2026.11.19
+)  # huggingface-hub: the host's own (its transformers wants <2.0)
 
 if [[ "${1:-}" == "stage-vllm" ]]; then
   rm -rf .whl/3 && mkdir -p .whl/3
