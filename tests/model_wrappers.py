@@ -130,3 +130,17 @@ def break_the_runner_loop(monkeypatch: Any, at_call: int = 3) -> None:
         return original(self, live, loaded)
 
     monkeypatch.setattr(Runner, "_take_commands", dying)
+
+
+class RecordingModel(_Wrapped):
+    """Records each forward pass as (tokens the cache held before it, tokens fed), and the
+    number of tokens the cache holds after it (as the next step sees it)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        before = cache[0].offset if cache else 0
+        self.calls.append((before, int(tokens.shape[1])))
+        return self._inner(tokens, cache=cache)

@@ -74,6 +74,25 @@ def test_an_untrimmable_longer_entry_is_not_trimmed() -> None:
     assert book.lookup([1, 2, 3, 4, 5, 9, 9]) == CacheHit(three, 3, needs_trim=False)
 
 
+def test_with_an_alignment_a_trimmable_hit_ends_on_a_multiple_of_it() -> None:
+    book = PrefixCache(BIG)
+    long = _stored(book, list(range(40)))
+    prompt = [*range(37), 99, 99]
+    assert book.lookup(prompt, align=16) == CacheHit(long, 32, needs_trim=True)
+    # A whole trimmable entry is cut down too.
+    assert book.lookup([*range(40), 7, 7], align=16) == CacheHit(long, 32, needs_trim=True)
+    assert book.lookup([*range(40), 7, 7], align=8) == CacheHit(long, 40, needs_trim=False)
+    # Less than one block in common: nothing to reuse.
+    assert book.lookup([*range(12), 99, 99], align=16) is None
+    assert book.statistics().misses == 1
+
+
+def test_an_untrimmable_entry_is_used_whole_whatever_the_alignment() -> None:
+    book = PrefixCache(BIG)
+    whole = _stored(book, list(range(20)), trimmable=False)
+    assert book.lookup([*range(20), 5, 5], align=16) == CacheHit(whole, 20, needs_trim=False)
+
+
 def test_a_whole_entry_is_preferred_to_an_equally_long_trimmed_one() -> None:
     book = PrefixCache(BIG)
     _stored(book, [1, 2, 3, 4, 7, 8])  # trimmable, shares 4 with the prompt

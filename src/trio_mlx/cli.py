@@ -82,6 +82,12 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=0, help="queue length in wait mode")
     parser.add_argument("--max-wait", type=float, default=30.0, help="seconds a request may wait")
     parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument(
+        "--prefill-block",
+        type=int,
+        default=None,
+        help="pad prefill to multiples of this many tokens (default: 64 on CUDA, else off)",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="server-wide cap")
     parser.add_argument("--default-max-tokens", type=int, default=256)
     parser.add_argument("--max-kv-size", type=int, default=None)

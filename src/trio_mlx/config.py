@@ -18,6 +18,10 @@ class EngineConfig:
       generates (the default); `"wait"` queues up to `max_waiting` requests, each for at most
       `max_wait` seconds. None picks `"wait"` when `max_waiting > 0`, else `"fail-fast"`.
     - `prefill_step_size`: prompt tokens per prefill chunk; aborts take effect between chunks.
+    - `prefill_block`: prefill forward passes start and end on multiples of this many tokens (the
+      last one padded, the padding cut off the cache again), so that the attention kernels see few
+      distinct shapes (`decode.effective_prefill_block`). None: 64 on MLX's CUDA backend, which
+      builds a cuDNN graph for each new shape, and 1 (off) elsewhere.
     - `default_max_tokens`: completion budget when a request names none.
     - `max_tokens_limit`: a server-wide cap; a request asking for more is refused.
     - `max_kv_size`: bound each sequence's KV cache to this many tokens (a rotating cache that
@@ -35,6 +39,7 @@ class EngineConfig:
     max_waiting: int = 0
     max_wait: float = 30.0
     prefill_step_size: int = 2048
+    prefill_block: int | None = None
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None
     max_kv_size: int | None = None
@@ -52,6 +57,8 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         if self.prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
+        if self.prefill_block is not None and self.prefill_block < 1:
+            raise ValueError("prefill_block must be >= 1")
         if self.max_wait <= 0:
             raise ValueError("max_wait must be > 0")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:

@@ -196,13 +196,15 @@ class PrefixCache:
 
     # ---- queries ------------------------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int]) -> CacheHit | None:
+    def lookup(self, tokens: Sequence[int], align: int = 1) -> CacheHit | None:
         """The longest cached prefix usable for a prompt of `tokens`, or None (a miss).
 
         Candidates: an entry whose tokens are a prefix of `tokens` (used whole), and a trimmable
         entry sharing a longer common prefix with `tokens` (trimmed to it). The hit never covers
         the whole prompt: the last prompt token must be prefilled to produce the first logits, so
         a hit is capped at `len(tokens) - 1` tokens (by trimming, where the entry allows it).
+        With `align` > 1 a trimmable entry is only used at a multiple of `align` tokens (trimmed
+        down to it; none if that leaves nothing), so that prefill starts on a block boundary.
         A hit refreshes the entry's place in the LRU order and counts its length as saved.
         """
         key = tuple(tokens)
@@ -230,12 +232,18 @@ class PrefixCache:
             node, depth = child, depth + matched
 
         whole_length = len(best_whole.tokens) if best_whole is not None else 0
+        if align > 1:
+            trim_length -= trim_length % align
+            if best_whole is not None and best_whole.trimmable:
+                whole_length -= whole_length % align
+                if whole_length == 0:
+                    best_whole = None
         if trim_node is not None and trim_length > whole_length:
             entry = self._trimmable_under(trim_node)
             hit = CacheHit(entry.id, trim_length, needs_trim=len(entry.tokens) != trim_length)
         elif best_whole is not None:
             entry = best_whole
-            hit = CacheHit(entry.id, whole_length, needs_trim=False)
+            hit = CacheHit(entry.id, whole_length, needs_trim=len(entry.tokens) != whole_length)
         else:
             self._misses += 1
             return None

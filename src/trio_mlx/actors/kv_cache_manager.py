@@ -91,14 +91,15 @@ class KVCacheManager:
 
     # ---- called by the runner thread (through trio.from_thread.run_sync) ------------------
 
-    def plan(self, prompt_tokens: Sequence[int]) -> CacheHit | None:
-        """The cached prefix to restore before prefilling `prompt_tokens`, or None."""
+    def plan(self, prompt_tokens: Sequence[int], align: int = 1) -> CacheHit | None:
+        """The cached prefix to restore before prefilling `prompt_tokens`, or None; with
+        `align`, a trimmable prefix ends on a multiple of it (`PrefixCache.lookup`)."""
         if not self.enabled:
             return None
         if not self.accepts(len(prompt_tokens)):
             self.bypassed += 1
             return None
-        return self.book.lookup(prompt_tokens)
+        return self.book.lookup(prompt_tokens, align)
 
     def store_points(self, prompt_length: int, system_prefix: int | None) -> tuple[int, ...]:
         """Prompt lengths at which the runner should snapshot during prefill: the chat's

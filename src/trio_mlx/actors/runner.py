@@ -58,7 +58,12 @@ from trio_mlx.actors.runner_threads import (
 )
 from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
-from trio_mlx.engine.decode import ActiveSequence, GenerationJob
+from trio_mlx.engine.decode import (
+    ActiveSequence,
+    GenerationJob,
+    default_prefill_block,
+    effective_prefill_block,
+)
 from trio_mlx.engine.kv_snapshots import SnapshotSupport, cache_support
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.prompt_cache import chunking_exact_limit, make_cache
@@ -164,11 +169,13 @@ class Runner:
         model: str | Path | None,
         *,
         prefill_step_size: int = 2048,
+        prefill_block: int | None = None,
         max_kv_size: int | None = None,
         loader: ModelLoader = load_model,
     ) -> None:
         self._model_spec = model
         self._prefill_step_size = prefill_step_size
+        self._prefill_block = prefill_block
         self._max_kv_size = max_kv_size
         self._loader = loader
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -414,6 +421,11 @@ class Runner:
         vocab_size = self.info.vocab_size if self.info is not None else len(loaded.tokenizer)
         support = self.info.cache_support if self.info is not None else None
         trimmable = support is not None and support.trimmable
+        block = effective_prefill_block(
+            default_prefill_block() if self._prefill_block is None else self._prefill_block,
+            self._prefill_step_size,
+            trimmable,
+        )
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -432,7 +444,7 @@ class Runner:
                 continue
             job = command.job
             try:
-                cache, cached_tokens = self._snapshots.restore_for(job)
+                cache, cached_tokens = self._snapshots.restore_for(job, block)
                 live[job.request_id] = ActiveSequence(
                     job,
                     loaded.model,
@@ -443,6 +455,7 @@ class Runner:
                     cache=cache,
                     cached_tokens=cached_tokens,
                     split_at_store_points=not trimmable,
+                    prefill_block=block if cached_tokens % block == 0 else 1,
                 )
                 self.counters.started += 1
             except Exception as exc:

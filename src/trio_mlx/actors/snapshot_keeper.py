@@ -70,13 +70,13 @@ class SnapshotKeeper:
     def _on_trio(self, fn: Any, *args: Any) -> Any:
         return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
 
-    def restore_for(self, job: GenerationJob) -> tuple[list[Any] | None, int]:
+    def restore_for(self, job: GenerationJob, align: int = 1) -> tuple[list[Any] | None, int]:
         """The cache to start `job` from and how many prompt tokens it holds; (None, 0) means a
-        fresh cache and a full prefill."""
+        fresh cache and a full prefill. `align`: see `KVCacheManager.plan`."""
         manager = self._book()
         if manager is None:
             return None, 0
-        hit = self._on_trio(manager.plan, job.prompt_tokens)
+        hit = self._on_trio(manager.plan, job.prompt_tokens, align)
         if hit is None:
             return None, 0
         snap = self._snapshots.get(hit.entry_id)

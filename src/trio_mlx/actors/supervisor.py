@@ -52,6 +52,7 @@ async def _serve(
     runner = Runner(
         cfg.model,
         prefill_step_size=cfg.prefill_step_size,
+        prefill_block=cfg.prefill_block,
         max_kv_size=cfg.max_kv_size,
         loader=loader,
     )

@@ -21,6 +21,14 @@ Prefix caching: a sequence may start from a restored cache that already holds th
 them; otherwise chunks run past them (no extra forward pass, which costs milliseconds on a GPU)
 and the runner snapshots the prefix (`kv_snapshots.snapshot_prefix`). `fed_tokens` tells which
 tokens the cache holds at any step boundary (the key of a snapshot taken then).
+
+Shape blocks (`prefill_block` > 1, for caches that can be trimmed): every prefill forward pass
+starts and ends on a multiple of the block. Chunks are whole blocks; the tail is padded up to a
+whole block with copies of the last prompt token, its first token read at the last real position,
+and the cache trimmed back by the padding afterwards (causal attention: no real position sees the
+padding). So the attention kernels only ever see (query length, key length) pairs from a small set,
+whatever the prompt's length. MLX's CUDA backend builds a cuDNN graph for each new pair (tens of
+milliseconds each, seen on the H200), which otherwise every prompt of a new length pays.
 """
 
 from __future__ import annotations
@@ -41,6 +49,22 @@ from trio_mlx.types import SamplingParams, TokenLogprob
 #: on a GPU costs about as much as a decode step, for computing the output layer on a few more
 #: positions. It is what a cached request (restored prefix, short new suffix) mostly prefills.
 FUSED_TAIL_TOKENS = 64
+
+
+def default_prefill_block() -> int:
+    """64 where MLX computes on its CUDA backend (a cuDNN attention graph per new shape), else 1."""
+    on_gpu = mx.default_device() == mx.gpu
+    return 64 if on_gpu and mx.cuda.is_available() else 1
+
+
+def effective_prefill_block(block: int, prefill_step_size: int, trimmable: bool) -> int:
+    """The shape block a sequence can use: `block` where the cache can be trimmed (the padding
+    is cut off again), the block divides `prefill_step_size` and the fused tail holds a whole
+    block; else 1 (no padding, chunks as mlx-lm cuts them)."""
+    tail = min(FUSED_TAIL_TOKENS, prefill_step_size)
+    if block > 1 and trimmable and prefill_step_size % block == 0 and block <= tail:
+        return block
+    return 1
 
 
 class LogitsProcessor(Protocol):
@@ -111,6 +135,8 @@ class ActiveSequence:
     `cache`, when given, is a live prompt cache already holding the first `cached_tokens` prompt
     tokens (a restored snapshot, `1 <= cached_tokens < len(prompt)`); it becomes this sequence's
     own. Otherwise a fresh cache is made (`prompt_cache.make_cache`, bounded by `max_kv_size`).
+    `prefill_block` > 1 (only for a trimmable cache; see `effective_prefill_block`) pads prefill
+    to whole blocks; a restored cache must then hold a multiple of it.
     """
 
     def __init__(
@@ -125,9 +151,15 @@ class ActiveSequence:
         cache: list[Any] | None = None,
         cached_tokens: int = 0,
         split_at_store_points: bool = True,
+        prefill_block: int = 1,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
+        if prefill_block > 1 and (split_at_store_points or cached_tokens % prefill_block):
+            raise ValueError(
+                f"prefill_block {prefill_block} needs a trimmable cache holding a multiple of it, "
+                f"not {cached_tokens} tokens"
+            )
         if cache is None:
             cached_tokens = 0
         elif not 0 < cached_tokens < len(job.prompt_tokens):
@@ -144,6 +176,7 @@ class ActiveSequence:
         last = len(job.prompt_tokens) - 1
         self._store_points = sorted({p for p in job.store_points if cached_tokens < p <= last})
         self._split = split_at_store_points
+        self._block = max(1, prefill_block)
         self._fed_generated: list[int] = []  # generated tokens that went through the model
         self._selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
         self._processors: list[LogitsProcessor] = list(job.logits_processors)
@@ -196,6 +229,7 @@ class ActiveSequence:
         )
         if remaining > 1 and not fuse_tail:
             n = min(self._prefill_step_size, remaining - 1)
+            n -= n % self._block  # >= one block: remaining > the fused tail >= a block
             points = self._store_points
             if points and self._split:
                 n = min(n, points[0] - self._prompt_done)
@@ -210,10 +244,17 @@ class ActiveSequence:
             return StepResult(prefilled=n, store_points=tuple(reached))
         if self._current is None:
             last = self._prompt[self._prompt_done :]
-            self._prompt_done += len(last)
-            self._current = self._forward(last)
+            real = len(last)
+            self._prompt_done += real
+            padding = -real % self._block
+            if padding:
+                last = mx.concatenate([last, mx.repeat(last[-1:], padding)])
+            self._current = self._forward(last, position=real - 1)
+            if padding:
+                for layer in self._cache:
+                    layer.trim(padding)
             mx.async_eval(*self._current.arrays())
-            result = self._decode_one(prefilled=len(last))
+            result = self._decode_one(prefilled=real)
             if not self._store_points:
                 return result
             tail_points = tuple(self._store_points)  # all within the prompt, now all reached
@@ -221,8 +262,8 @@ class ActiveSequence:
             return dataclasses.replace(result, store_points=tail_points)
         return self._decode_one(prefilled=0)
 
-    def _forward(self, tokens: Any) -> _Pending:
-        raw = self._model(tokens[None], cache=self._cache)[:, -1, :]
+    def _forward(self, tokens: Any, position: int = -1) -> _Pending:
+        raw = self._model(tokens[None], cache=self._cache)[:, position, :]
         logits = raw
         if self._processors:
             for processor in self._processors:
