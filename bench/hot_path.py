@@ -14,6 +14,11 @@ Time to first token, for each prompt length, warm, alternately `--repeats` times
 Each row is measured twice: as the code is, and with `mx.clear_cache` made a no-op everywhere
 (raw included) to show what returning MLX's buffer cache costs.
 
+Prompts of new lengths (`--novel` of them, 200-3,000 tokens): TTFT of raw mlx-lm, of the engine
+as configured by default (shape blocks on CUDA) and of the engine with `prefill_block=1`, each
+system on a length of its own that no system has seen (on MLX's CUDA backend every new
+attention shape costs a cuDNN graph build), order rotated.
+
 Decode: tokens/s of raw `generate_step` and of the engine over `--tokens` tokens, with the CPU
 seconds the runner thread and the Trio thread spent per token (from /proc/self/task/*/stat).
 """
@@ -261,6 +266,45 @@ async def engine_decode(engine: trio_mlx.Engine, tokens: list[int], n: int) -> d
     }
 
 
+async def novel_lengths(
+    raw_model: Any, engine: trio_mlx.Engine, path: Path, count: int
+) -> dict[str, Any]:
+    """TTFT on prompts of lengths no system has seen before (see the module docstring)."""
+    rng = random.Random(2026)
+    names = ("raw", "engine", "engine_block_1")
+    rows: dict[str, list[float]] = {name: [] for name in names}
+    lengths: dict[str, list[int]] = {name: [] for name in names}
+    seen: set[int] = set()
+    async with trio_mlx.open_engine(
+        path, loader=no_eos_loader, cache_memory_bytes=0, prefill_block=1
+    ) as unblocked:
+        await engine.clear_runtime_caches()
+        for i in range(count):
+            base = rng.randrange(200, 3000)
+            while seen & {base, base + 1, base + 2}:
+                base += 3
+            seen.update({base, base + 1, base + 2})
+            order = names[i % 3 :] + names[: i % 3]
+            for k, name in enumerate(order):
+                n = base + k
+                tokens = prompt_tokens(n, 1000 + n)
+                if name == "raw":
+                    ms = raw_ttft(raw_model, tokens)
+                else:
+                    target = engine if name == "engine" else unblocked
+                    await target.clear_runtime_caches()
+                    ms, _ = await engine_ttft(target, tokens)
+                rows[name].append(ms)
+                lengths[name].append(n)
+    summary: dict[str, Any] = {"count": count}
+    for name in names:
+        summary[f"{name}_ms_median"] = statistics.median(rows[name])
+        summary[f"{name}_ms"] = [round(t, 2) for t in rows[name]]
+        summary[f"{name}_lengths"] = lengths[name]
+    print(json.dumps({k: v for k, v in summary.items() if "median" in k}), flush=True)
+    return summary
+
+
 # ---- the run -----------------------------------------------------------------------------------
 
 
@@ -322,6 +366,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     results["ttft"].append(summary)
                     print(json.dumps(summary), flush=True)
         results["chat"] = await chat_scenario(engine, args)
+        if args.novel:
+            results["novel_lengths"] = await novel_lengths(
+                raw_model, engine, subject.path, args.novel
+            )
         # Decode.
         decode_rows = []
         tokens = prompt_tokens(128, 5)
@@ -347,6 +395,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--system-tokens", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--novel", type=int, default=12, help="prompts of new lengths (0: none)")
     parser.add_argument("--cache-mb", type=int, default=4096)
     parser.add_argument("--workdir", default="/tmp/trio-mlx-bench")
     parser.add_argument("--json", default=None)

@@ -11,7 +11,7 @@ import pytest
 
 import trio_mlx
 from model_wrappers import RecordingModel, wrapping_loader
-from trio_mlx.engine.decode import ActiveSequence, GenerationJob, effective_prefill_block
+from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.types import GenerationOutput, SamplingParams
 
 BLOCK = 16
@@ -20,27 +20,33 @@ SYSTEM = {"role": "system", "content": "You answer in riddles, briefly and kindl
 
 
 def test_the_block_is_used_only_where_it_can_be() -> None:
-    assert effective_prefill_block(64, 2048, trimmable=True) == 64
-    assert effective_prefill_block(64, 2048, trimmable=False) == 1  # padding could not be cut
-    assert effective_prefill_block(64, 100, trimmable=True) == 1  # does not divide the chunks
-    assert effective_prefill_block(128, 2048, trimmable=True) == 1  # larger than the fused tail
-    assert effective_prefill_block(16, 32, trimmable=True) == 16
-    assert effective_prefill_block(1, 2048, trimmable=True) == 1
+    def block(step: int, tail: int | None, block: int, trimmable: bool = True) -> int:
+        return PrefillPlan.choose(step, tail=tail, block=block, trimmable=trimmable).block
+
+    assert block(2048, 64, 64) == 64
+    assert block(2048, 64, 64, trimmable=False) == 1  # the padding could not be cut off
+    assert block(100, 64, 64) == 1  # does not divide the chunks
+    assert block(2048, 64, 128) == 1  # larger than the fused tail
+    assert block(2048, None, 16) == 16  # a default tail grows to hold it
+    assert PrefillPlan.choose(2048, tail=None, block=16, trimmable=True).tail >= 16
+    # Here, on the CPU: no block and no fused tail unless asked for.
+    assert PrefillPlan.choose(2048, tail=None, block=None, trimmable=True) == PrefillPlan(2048)
+    with pytest.raises(ValueError, match="divide"):
+        PrefillPlan(100, 64, 64)
 
 
-def test_a_restored_cache_must_hold_whole_blocks(tiny_model_dir: Path) -> None:
+def test_a_restored_cache_must_hold_whole_blocks() -> None:
     job = GenerationJob(1, tuple(range(1, 40)), SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="multiple"):
         ActiveSequence(
             job,
             None,
             frozenset(),
-            STEP,
+            PrefillPlan(STEP, BLOCK, BLOCK),
             vocab_size=100,
             cache=[object()],
             cached_tokens=20,
             split_at_store_points=False,
-            prefill_block=BLOCK,
         )
 
 

@@ -88,6 +88,12 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pad prefill to multiples of this many tokens (default: 64 on CUDA, else off)",
     )
+    parser.add_argument(
+        "--fused-tail-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens fed with the first token's forward pass (default: 64 on a GPU, else 1)",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="server-wide cap")
     parser.add_argument("--default-max-tokens", type=int, default=256)
     parser.add_argument("--max-kv-size", type=int, default=None)

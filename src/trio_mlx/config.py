@@ -18,10 +18,13 @@ class EngineConfig:
       generates (the default); `"wait"` queues up to `max_waiting` requests, each for at most
       `max_wait` seconds. None picks `"wait"` when `max_waiting > 0`, else `"fail-fast"`.
     - `prefill_step_size`: prompt tokens per prefill chunk; aborts take effect between chunks.
+    - `fused_tail_tokens`: a prompt rest of at most this many tokens goes through the model in
+      the first token's forward pass (1: the last token alone, as mlx-lm). None: 64 on a GPU, 1
+      on the CPU (`decode.PrefillPlan.choose` says why).
     - `prefill_block`: prefill forward passes start and end on multiples of this many tokens (the
       last one padded, the padding cut off the cache again), so that the attention kernels see few
-      distinct shapes (`decode.effective_prefill_block`). None: 64 on MLX's CUDA backend, which
-      builds a cuDNN graph for each new shape, and 1 (off) elsewhere.
+      distinct shapes. None: 64 on MLX's CUDA backend, which builds a cuDNN graph for each new
+      shape, and 1 (off) elsewhere.
     - `default_max_tokens`: completion budget when a request names none.
     - `max_tokens_limit`: a server-wide cap; a request asking for more is refused.
     - `max_kv_size`: bound each sequence's KV cache to this many tokens (a rotating cache that
@@ -40,6 +43,7 @@ class EngineConfig:
     max_wait: float = 30.0
     prefill_step_size: int = 2048
     prefill_block: int | None = None
+    fused_tail_tokens: int | None = None
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None
     max_kv_size: int | None = None
@@ -59,6 +63,8 @@ class EngineConfig:
             raise ValueError("prefill_step_size must be >= 1")
         if self.prefill_block is not None and self.prefill_block < 1:
             raise ValueError("prefill_block must be >= 1")
+        if self.fused_tail_tokens is not None and self.fused_tail_tokens < 1:
+            raise ValueError("fused_tail_tokens must be >= 1")
         if self.max_wait <= 0:
             raise ValueError("max_wait must be > 0")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:

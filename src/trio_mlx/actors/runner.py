@@ -38,6 +38,7 @@ Prefix caching (when a `KVCacheManager` is attached and enabled), through the ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -58,12 +59,7 @@ from trio_mlx.actors.runner_threads import (
 )
 from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
-from trio_mlx.engine.decode import (
-    ActiveSequence,
-    GenerationJob,
-    default_prefill_block,
-    effective_prefill_block,
-)
+from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.kv_snapshots import SnapshotSupport, cache_support
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.prompt_cache import chunking_exact_limit, make_cache
@@ -170,12 +166,13 @@ class Runner:
         *,
         prefill_step_size: int = 2048,
         prefill_block: int | None = None,
+        fused_tail_tokens: int | None = None,
         max_kv_size: int | None = None,
         loader: ModelLoader = load_model,
     ) -> None:
         self._model_spec = model
-        self._prefill_step_size = prefill_step_size
-        self._prefill_block = prefill_block
+        self._prefill_options = (prefill_step_size, fused_tail_tokens, prefill_block)
+        self._prefill_plan: PrefillPlan | None = None  # chosen once the cache type is known
         self._max_kv_size = max_kv_size
         self._loader = loader
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -421,11 +418,12 @@ class Runner:
         vocab_size = self.info.vocab_size if self.info is not None else len(loaded.tokenizer)
         support = self.info.cache_support if self.info is not None else None
         trimmable = support is not None and support.trimmable
-        block = effective_prefill_block(
-            default_prefill_block() if self._prefill_block is None else self._prefill_block,
-            self._prefill_step_size,
-            trimmable,
-        )
+        plan = self._prefill_plan
+        if plan is None:
+            step, tail, block = self._prefill_options
+            plan = PrefillPlan.choose(step, tail=tail, block=block, trimmable=trimmable)
+            self._prefill_plan = plan
+            log.info("prefill plan: %s", plan)
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -444,18 +442,17 @@ class Runner:
                 continue
             job = command.job
             try:
-                cache, cached_tokens = self._snapshots.restore_for(job, block)
+                cache, cached_tokens = self._snapshots.restore_for(job, plan.block)
                 live[job.request_id] = ActiveSequence(
                     job,
                     loaded.model,
                     loaded.eos_token_ids,
-                    self._prefill_step_size,
+                    plan if cached_tokens % plan.block == 0 else dataclasses.replace(plan, block=1),
                     vocab_size=vocab_size,
                     max_kv_size=self._max_kv_size,
                     cache=cache,
                     cached_tokens=cached_tokens,
                     split_at_store_points=not trimmable,
-                    prefill_block=block if cached_tokens % block == 0 else 1,
                 )
                 self.counters.started += 1
             except Exception as exc:

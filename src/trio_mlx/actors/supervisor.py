@@ -53,6 +53,7 @@ async def _serve(
         cfg.model,
         prefill_step_size=cfg.prefill_step_size,
         prefill_block=cfg.prefill_block,
+        fused_tail_tokens=cfg.fused_tail_tokens,
         max_kv_size=cfg.max_kv_size,
         loader=loader,
     )

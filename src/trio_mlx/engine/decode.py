@@ -5,9 +5,9 @@ A step is either one prefill chunk (at most `prefill_step_size` prompt tokens) o
 within one chunk or one token.
 
 The arithmetic follows `mlx_lm.generate_step`: the prompt goes through the model in chunks of
-`prefill_step_size` tokens and the last position's logits give the first token; where mlx-lm always
-feeds the last prompt token alone, a tail of at most `FUSED_TAIL_TOKENS` tokens (and at most
-`prefill_step_size`) goes in that same forward pass (one forward pass fewer; greedy output can
+`prefill_step_size` tokens and the last position's logits give the first token (`PrefillPlan`).
+Where mlx-lm always feeds the last prompt token alone, on a GPU a tail of up to 64 tokens goes in
+that same forward pass (one forward pass fewer; greedy output can
 differ from mlx-lm's only where two logits tie within rounding). Without logits processors each
 decode step queues the next token's computation (`mx.async_eval`) before reading the current one,
 so the device never waits on Python. While logits processors are active, steps run one at a time (a
@@ -22,7 +22,7 @@ them; otherwise chunks run past them (no extra forward pass, which costs millise
 and the runner snapshots the prefix (`kv_snapshots.snapshot_prefix`). `fed_tokens` tells which
 tokens the cache holds at any step boundary (the key of a snapshot taken then).
 
-Shape blocks (`prefill_block` > 1, for caches that can be trimmed): every prefill forward pass
+Shape blocks (`PrefillPlan.block` > 1, for caches that can be trimmed): every prefill forward pass
 starts and ends on a multiple of the block. Chunks are whole blocks; the tail is padded up to a
 whole block with copies of the last prompt token, its first token read at the last real position,
 and the cache trimmed back by the padding afterwards (causal attention: no real position sees the
@@ -44,27 +44,56 @@ from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.types import SamplingParams, TokenLogprob
 
-#: A prompt tail this short goes through the model together with the last prompt token (whose
-#: logits give the first token) instead of as a chunk of its own: one forward pass fewer, which
-#: on a GPU costs about as much as a decode step, for computing the output layer on a few more
+#: On a GPU, a prompt tail this short goes through the model together with the last prompt token
+#: (whose logits give the first token) instead of as a chunk of its own: one forward pass fewer,
+#: which there costs about as much as a decode step, for computing the output layer on a few more
 #: positions. It is what a cached request (restored prefix, short new suffix) mostly prefills.
-FUSED_TAIL_TOKENS = 64
+GPU_FUSED_TAIL_TOKENS = 64
+#: On MLX's CUDA backend, prefill passes are cut in whole blocks of this many tokens.
+CUDA_PREFILL_BLOCK = 64
 
 
-def default_prefill_block() -> int:
-    """64 where MLX computes on its CUDA backend (a cuDNN attention graph per new shape), else 1."""
-    on_gpu = mx.default_device() == mx.gpu
-    return 64 if on_gpu and mx.cuda.is_available() else 1
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How a prompt is cut into forward passes.
 
+    - `step`: at most this many prompt tokens per prefill chunk;
+    - `tail`: a rest of at most this many prompt tokens goes through the model in the first
+      token's forward pass (1: the last token alone, as mlx-lm does);
+    - `block`: every prefill pass starts and ends on a multiple of this many tokens, the last one
+      padded (1: no padding). Needs a cache that can be trimmed and `block <= tail`, and `block`
+      divides `step`.
+    """
 
-def effective_prefill_block(block: int, prefill_step_size: int, trimmable: bool) -> int:
-    """The shape block a sequence can use: `block` where the cache can be trimmed (the padding
-    is cut off again), the block divides `prefill_step_size` and the fused tail holds a whole
-    block; else 1 (no padding, chunks as mlx-lm cuts them)."""
-    tail = min(FUSED_TAIL_TOKENS, prefill_step_size)
-    if block > 1 and trimmable and prefill_step_size % block == 0 and block <= tail:
-        return block
-    return 1
+    step: int = 2048
+    tail: int = 1
+    block: int = 1
+
+    def __post_init__(self) -> None:
+        if self.step < 1 or self.tail < 1 or self.block < 1:
+            raise ValueError(f"prefill step, tail and block must be >= 1: {self}")
+        if self.block > 1 and (self.step % self.block or self.block > min(self.tail, self.step)):
+            raise ValueError(f"a prefill block must divide the step and fit the tail: {self}")
+
+    @classmethod
+    def choose(
+        cls, step: int, *, tail: int | None, block: int | None, trimmable: bool
+    ) -> PrefillPlan:
+        """The plan for this device and cache. `tail` None: `GPU_FUSED_TAIL_TOKENS` on a GPU,
+        else 1 (on the CPU the output layer on extra positions costs more than the pass saved:
+        +35% time to first token for a 40-token prompt on SmolLM2-135M). `block` None:
+        `CUDA_PREFILL_BLOCK` on MLX's CUDA backend (a cuDNN attention graph is built for every new
+        shape, tens of milliseconds each), else 1. A default tail grows to hold the block; a block
+        that cannot be used (see the class) falls back to 1."""
+        on_gpu = mx.default_device() == mx.gpu
+        if block is None:
+            block = CUDA_PREFILL_BLOCK if on_gpu and mx.cuda.is_available() else 1
+        if tail is None:
+            tail = max(GPU_FUSED_TAIL_TOKENS if on_gpu else 1, block)
+        tail = min(tail, step)
+        if block > 1 and trimmable and step % block == 0 and block <= tail:
+            return cls(step, tail, block)
+        return cls(step, tail, 1)
 
 
 class LogitsProcessor(Protocol):
@@ -135,8 +164,8 @@ class ActiveSequence:
     `cache`, when given, is a live prompt cache already holding the first `cached_tokens` prompt
     tokens (a restored snapshot, `1 <= cached_tokens < len(prompt)`); it becomes this sequence's
     own. Otherwise a fresh cache is made (`prompt_cache.make_cache`, bounded by `max_kv_size`).
-    `prefill_block` > 1 (only for a trimmable cache; see `effective_prefill_block`) pads prefill
-    to whole blocks; a restored cache must then hold a multiple of it.
+    `prefill` says how the prompt is cut (`PrefillPlan`); with a block, a restored cache must hold
+    a multiple of it, and the cache must be trimmable (no `split_at_store_points`).
     """
 
     def __init__(
@@ -144,20 +173,19 @@ class ActiveSequence:
         job: GenerationJob,
         model: Any,
         eos_token_ids: frozenset[int],
-        prefill_step_size: int,
+        prefill: PrefillPlan,
         *,
         vocab_size: int,
         max_kv_size: int | None = None,
         cache: list[Any] | None = None,
         cached_tokens: int = 0,
         split_at_store_points: bool = True,
-        prefill_block: int = 1,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
-        if prefill_block > 1 and (split_at_store_points or cached_tokens % prefill_block):
+        if prefill.block > 1 and (split_at_store_points or cached_tokens % prefill.block):
             raise ValueError(
-                f"prefill_block {prefill_block} needs a trimmable cache holding a multiple of it, "
+                f"prefill block {prefill.block} needs a trimmable cache holding a multiple of it, "
                 f"not {cached_tokens} tokens"
             )
         if cache is None:
@@ -170,13 +198,12 @@ class ActiveSequence:
         self.job = job
         self._model = model
         self._eos = eos_token_ids
-        self._prefill_step_size = max(1, prefill_step_size)
+        self._plan = prefill
         self._cache = make_cache(model, max_kv_size) if cache is None else cache
         self.cached_tokens = cached_tokens
         last = len(job.prompt_tokens) - 1
         self._store_points = sorted({p for p in job.store_points if cached_tokens < p <= last})
         self._split = split_at_store_points
-        self._block = max(1, prefill_block)
         self._fed_generated: list[int] = []  # generated tokens that went through the model
         self._selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
         self._processors: list[LogitsProcessor] = list(job.logits_processors)
@@ -224,12 +251,11 @@ class ActiveSequence:
         if self.finished:
             return StepResult(finish="length")
         remaining = len(self.job.prompt_tokens) - self._prompt_done
-        fuse_tail = remaining <= min(FUSED_TAIL_TOKENS, self._prefill_step_size) and not (
-            self._split and self._store_points
-        )
+        plan = self._plan
+        fuse_tail = remaining <= plan.tail and not (self._split and self._store_points)
         if remaining > 1 and not fuse_tail:
-            n = min(self._prefill_step_size, remaining - 1)
-            n -= n % self._block  # >= one block: remaining > the fused tail >= a block
+            n = min(plan.step, remaining - 1)
+            n -= n % plan.block  # >= one block: remaining > the tail >= a block
             points = self._store_points
             if points and self._split:
                 n = min(n, points[0] - self._prompt_done)
@@ -246,7 +272,7 @@ class ActiveSequence:
             last = self._prompt[self._prompt_done :]
             real = len(last)
             self._prompt_done += real
-            padding = -real % self._block
+            padding = -real % plan.block
             if padding:
                 last = mx.concatenate([last, mx.repeat(last[-1:], padding)])
             self._current = self._forward(last, position=real - 1)

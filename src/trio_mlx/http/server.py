@@ -127,6 +127,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_wait": args.max_wait,
         "prefill_step_size": args.prefill_step_size,
         "prefill_block": getattr(args, "prefill_block", None),
+        "fused_tail_tokens": getattr(args, "fused_tail_tokens", None),
         "max_tokens_limit": args.max_tokens,
         "default_max_tokens": args.default_max_tokens,
         "max_kv_size": args.max_kv_size,
