@@ -81,7 +81,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     path = resolve_subject(args.model, Path(args.workdir)).path
     rows: list[dict[str, Any]] = []
     async with trio_mlx.open_engine(
-        path, loader=no_eos_loader, cache_memory_bytes=args.cache_mb * 2**20
+        path,
+        loader=no_eos_loader,
+        cache_memory_bytes=args.cache_mb * 2**20,
+        prefill_block=args.prefill_block,
     ) as engine:
         system = {"role": "system", "content": system_prompt(engine.tokenizer, args.system_tokens)}
         other = [system, {"role": "user", "content": "How do I reset my password?"}]
@@ -158,6 +161,9 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=8, help="per request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache-mb", type=int, default=2048)
+    parser.add_argument(
+        "--prefill-block", type=int, default=None, help="the engine's (default: its own choice)"
+    )
     parser.add_argument("--workdir", default="/tmp/trio-mlx-bench")
     parser.add_argument("--json", default=None, help="also write the rows and summary here")
     trio.run(main, parser.parse_args())

@@ -83,13 +83,15 @@ class PrefillPlan:
         else 1 (on the CPU the output layer on extra positions costs more than the pass saved:
         +35% time to first token for a 40-token prompt on SmolLM2-135M). `block` None:
         `CUDA_PREFILL_BLOCK` on MLX's CUDA backend (a cuDNN attention graph is built for every new
-        shape, tens of milliseconds each), else 1. A default tail grows to hold the block; a block
+        shape, tens of milliseconds each), else 1. A default tail grows to two blocks; a block
         that cannot be used (see the class) falls back to 1."""
         on_gpu = mx.default_device() == mx.gpu
         if block is None:
             block = CUDA_PREFILL_BLOCK if on_gpu and mx.cuda.is_available() else 1
         if tail is None:
-            tail = max(GPU_FUSED_TAIL_TOKENS if on_gpu else 1, block)
+            # With blocks, twice the block: a prefix-cache hit, cut back to a block boundary,
+            # leaves up to a block more to prefill than the new tokens alone.
+            tail = max(GPU_FUSED_TAIL_TOKENS if on_gpu else 1, 2 * block if block > 1 else 1)
         tail = min(tail, step)
         if block > 1 and trimmable and step % block == 0 and block <= tail:
             return cls(step, tail, block)
