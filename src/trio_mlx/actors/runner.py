@@ -62,6 +62,7 @@ from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.kv_snapshots import SnapshotSupport, cache_support
 from trio_mlx.engine.loading import LoadedModel, load_model
+from trio_mlx.engine.mlx_cuda import apply_serving_defaults
 from trio_mlx.engine.prompt_cache import chunking_exact_limit, make_cache
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason, TokenLogprob
@@ -333,6 +334,7 @@ class Runner:
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
 
+        apply_serving_defaults()
         loaded = self._loader(self._model_spec)
         probe = make_cache(loaded.model, self._max_kv_size)
         info = ModelInfo(
