@@ -6,11 +6,11 @@ within one chunk or one token.
 
 The arithmetic follows `mlx_lm.generate_step`: the prompt goes through the model in chunks of
 `prefill_step_size` tokens and the last position's logits give the first token (`PrefillPlan`).
-Where mlx-lm always feeds the last prompt token alone, on a GPU a tail of up to 64 tokens goes in
-that same forward pass (one forward pass fewer; greedy output can
-differ from mlx-lm's only where two logits tie within rounding). Without logits processors each
-decode step queues the next token's computation (`mx.async_eval`) before reading the current one,
-so the device never waits on Python. While logits processors are active, steps run one at a time (a
+Where mlx-lm always feeds the last prompt token alone, on a GPU a short tail (`PrefillPlan.tail`, 64
+tokens, 128 with shape blocks) goes in that same forward pass (one forward pass fewer; greedy output
+can differ from mlx-lm's only where two logits tie within rounding). Without logits processors each
+decode step queues the next token's computation (`mx.async_eval`) before reading the current one, so
+the device never waits on Python. While logits processors are active, steps run one at a time (a
 processor must see every token before it shapes the next); once every retiring processor has
 retired, pipelining resumes.
 
@@ -27,8 +27,9 @@ starts and ends on a multiple of the block. Chunks are whole blocks; the tail is
 whole block with copies of the last prompt token, its first token read at the last real position,
 and the cache trimmed back by the padding afterwards (causal attention: no real position sees the
 padding). So the attention kernels only ever see (query length, key length) pairs from a small set,
-whatever the prompt's length. MLX's CUDA backend builds a cuDNN graph for each new pair (tens of
-milliseconds each, seen on the H200), which otherwise every prompt of a new length pays.
+whatever the prompt's length. MLX's CUDA backend builds a cuDNN graph for each new pair (50-150 ms
+each on the H200), which otherwise every prompt of a new length pays; with blocks a server builds
+each shape once (the first request of a new shape pays for up to two).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class PrefillPlan:
         else 1 (on the CPU the output layer on extra positions costs more than the pass saved:
         +35% time to first token for a 40-token prompt on SmolLM2-135M). `block` None:
         `CUDA_PREFILL_BLOCK` on MLX's CUDA backend (a cuDNN attention graph is built for every new
-        shape, tens of milliseconds each), else 1. A default tail grows to two blocks; a block
+        shape, 50-150 ms each), else 1. A default tail grows to two blocks; a block
         that cannot be used (see the class) falls back to 1."""
         on_gpu = mx.default_device() == mx.gpu
         if block is None:
