@@ -173,7 +173,7 @@ class Runner:
     ) -> None:
         self._model_spec = model
         self._prefill_options = (prefill_step_size, fused_tail_tokens, prefill_block)
-        self._prefill_plan: PrefillPlan | None = None  # chosen once the cache type is known
+        self._prefill_plan = PrefillPlan(prefill_step_size)  # chosen again once a model is loaded
         self._max_kv_size = max_kv_size
         self._loader = loader
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -350,6 +350,14 @@ class Runner:
             weights_bytes=_weights_bytes(loaded.model),
         )
         del probe
+        step, tail, block = self._prefill_options
+        self._prefill_plan = PrefillPlan.choose(
+            step,
+            tail=tail,
+            block=block,
+            trimmable=info.cache_support is not None and info.cache_support.trimmable,
+        )
+        log.info("prefill plan: %s", self._prefill_plan)
         trio.from_thread.run_sync(report_ready, info, trio_token=self._token)
         assert self._token is not None
         deliver = self._token.run_sync_soon
@@ -421,11 +429,6 @@ class Runner:
         support = self.info.cache_support if self.info is not None else None
         trimmable = support is not None and support.trimmable
         plan = self._prefill_plan
-        if plan is None:
-            step, tail, block = self._prefill_options
-            plan = PrefillPlan.choose(step, tail=tail, block=block, trimmable=trimmable)
-            self._prefill_plan = plan
-            log.info("prefill plan: %s", plan)
         while True:
             try:
                 command = self._commands.get_nowait()
