@@ -73,7 +73,7 @@ class PrefillPlan:
     def __post_init__(self) -> None:
         if self.step < 1 or self.tail < 1 or self.block < 1:
             raise ValueError(f"prefill step, tail and block must be >= 1: {self}")
-        if self.block > 1 and (self.step % self.block or self.block > min(self.tail, self.step)):
+        if not _block_fits(self.block, self.step, self.tail):
             raise ValueError(f"a prefill block must divide the step and fit the tail: {self}")
 
     @classmethod
@@ -94,9 +94,12 @@ class PrefillPlan:
             # leaves up to a block more to prefill than the new tokens alone.
             tail = max(GPU_FUSED_TAIL_TOKENS if on_gpu else 1, 2 * block if block > 1 else 1)
         tail = min(tail, step)
-        if block > 1 and trimmable and step % block == 0 and block <= tail:
-            return cls(step, tail, block)
-        return cls(step, tail, 1)
+        return cls(step, tail, block if trimmable and _block_fits(block, step, tail) else 1)
+
+
+def _block_fits(block: int, step: int, tail: int) -> bool:
+    """A block divides the prefill step and fits the fused tail (1 always fits)."""
+    return block == 1 or (step % block == 0 and block <= min(tail, step))
 
 
 class LogitsProcessor(Protocol):
