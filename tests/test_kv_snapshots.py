@@ -195,6 +195,23 @@ def test_snapshot_of_a_full_buffer_is_not_changed_by_decoding_on_the_original(ll
     _assert_unchanged(before, snap)
 
 
+@pytest.mark.parametrize("length", [40, 256])
+def test_a_snapshot_read_only_after_decoding_on_the_original_holds_the_old_state(
+    llama: Any, length: int
+) -> None:
+    # A snapshot's copies are only queued when it is taken: decoding on the live cache (in
+    # place where MLX can) before they are read must not reach them.
+    cache = _prefilled(llama, _tokens(length, seed=21))
+    expected = [np.array(a[..., :length, :]) for c in cache for a in (c.keys, c.values)]
+    snap = snapshot(cache)
+    _greedy(llama, cache, _tokens(3, seed=22), 10)
+    mx.eval([c.state for c in cache])
+    held = [np.array(a) for layer in snap.layers for a in (layer.keys, layer.values)]
+    assert len(held) == len(expected)
+    for x, y in zip(expected, held, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_two_restores_are_independent_of_each_other_and_of_the_snapshot(llama: Any) -> None:
     snap = snapshot(_prefilled(llama, _tokens(48, seed=6)))
     before = _host_copy(snap)

@@ -21,7 +21,8 @@ from mlx_lm.models.cache import KVCache
 import trio_mlx
 from model_wrappers import PausingModel, _Wrapped, wrapping_loader
 from trio_mlx.actors import snapshot_keeper
-from trio_mlx.actors.kv_cache_manager import MIN_DEFAULT_BUDGET
+from trio_mlx.actors.kv_cache_manager import MIN_DEFAULT_BUDGET, KVCacheManager
+from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine import kv_snapshots
 from trio_mlx.types import GenerationOutput
 
@@ -269,6 +270,39 @@ async def test_a_short_chat_stores_its_system_prompt_from_the_first_token_step(
             [system, user("Hello there")], max_tokens=3, temperature=0.0
         )
     assert other.tokens == plain.tokens
+
+
+async def test_the_first_token_is_handed_over_before_the_system_prompt_is_snapshotted(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The system prompt's snapshot is taken in the first token's step (a short chat, as on a
+    # GPU): the token must reach its request first (on a GPU, waiting for the snapshot would
+    # cost a decode step). The conversation's entry is in the book before the request ends.
+    log: list[str] = []
+    push, stored = TokenSink.push, KVCacheManager.stored
+
+    def logged_push(self: TokenSink, tokens: Any = (), finish: Any = None, *a: Any) -> bool:
+        log.extend(["token"] * len(tokens) + ([f"finish:{finish}"] if finish else []))
+        return push(self, tokens, finish, *a)
+
+    def logged_stored(self: KVCacheManager, tokens: Any, nbytes: int, kind: Any, *a: Any) -> Any:
+        log.append(f"stored:{kind}")
+        return stored(self, tokens, nbytes, kind, *a)
+
+    monkeypatch.setattr(TokenSink, "push", logged_push)
+    monkeypatch.setattr(KVCacheManager, "stored", logged_stored)
+    system = {"role": "system", "content": "Be brief."}
+    async with trio_mlx.open_engine(tiny_model_dir, fused_tail_tokens=64) as engine:
+        out = await engine.chat([system, user("Hi")], max_tokens=3, temperature=0.0)
+    assert out.finish_reason == "length" and len(out.tokens) == 3
+    assert log == [
+        "token",
+        "stored:system",
+        "token",
+        "stored:conversation",
+        "token",  # the last token comes with the finish
+        "finish:length",
+    ]
 
 
 async def test_stats_counters_and_clear_runtime_caches(engine: trio_mlx.Engine) -> None:

@@ -29,9 +29,11 @@ Prefix caching (when a `KVCacheManager` is attached and enabled), through the ru
   the cache's first that-many tokens (prefill runs past the points when the model's cache can be
   cut afterwards, and stops at them otherwise);
 - the end of a request whose prefill completed (finished, or aborted, e.g. by a stop string):
-  the keeper snapshots what the cache holds, keyed by `ActiveSequence.fed_tokens()`;
-  both before the step's events are delivered. A request aborted during prefill, or one that
-  failed, stores nothing at its end.
+  the keeper snapshots what the cache holds, keyed by `ActiveSequence.fed_tokens()`.
+  A step's new tokens are delivered before its snapshots are taken (a request's first token
+  does not wait for the snapshot of its system prompt), its finishes after them (a request that
+  has ended has its entries in the book). A request aborted during prefill, or one that failed,
+  stores nothing at its end.
 - `_ClearSnapshots`: drops every snapshot, empties the book, frees MLX's buffer cache.
 """
 
@@ -51,6 +53,7 @@ from typing import Any
 import outcome
 import trio
 
+from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.runner_threads import RUNNER_THREAD_NAME as RUNNER_THREAD_NAME
 from trio_mlx.actors.runner_threads import (
@@ -373,6 +376,7 @@ class Runner:
                         deliver(self._deliver, tuple(events))
                     continue
                 began = time.perf_counter()
+                stores: list[tuple[ActiveSequence, CacheKind, int | None]] = []
                 for request_id, seq in list(live.items()):
                     prefill = seq.in_prefill
                     try:
@@ -398,10 +402,10 @@ class Runner:
                     counters.generated_tokens += len(result.tokens)
                     last = len(seq.job.prompt_tokens) - 1
                     for point in result.store_points:
-                        self._snapshots.store(seq, "prompt" if point == last else "system", point)
+                        stores.append((seq, "prompt" if point == last else "system", point))
                     if result.finish is not None:
                         del live[request_id]
-                        self._snapshots.store(seq, "conversation")
+                        stores.append((seq, "conversation", None))
                     if result.tokens or result.finish is not None:
                         finish: FinishReason | None = result.finish  # type: ignore[assignment]
                         events.append(
@@ -416,6 +420,15 @@ class Runner:
                         )
                 counters.steps += 1
                 counters.live = len(live)
+                if stores:
+                    # Tokens first: a snapshot must not delay them. Finishes after the
+                    # snapshots: a finished request's entries are in the book when it ends.
+                    tokens_only = tuple(e for e in events if e.finish is None)
+                    if tokens_only:
+                        deliver(self._deliver, tokens_only)
+                    for seq, kind, length in stores:
+                        self._snapshots.store(seq, kind, length)
+                    events = [e for e in events if e.finish is not None]
                 counters.busy_seconds += time.perf_counter() - began
                 if events:
                     deliver(self._deliver, tuple(events))

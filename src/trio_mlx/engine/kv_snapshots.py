@@ -329,7 +329,8 @@ def _class_trimmable(c: Any) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class KVSnapshot:
-    """An independent, evaluated copy of a prompt cache's state after `length` tokens.
+    """An independent copy of a prompt cache's state after `length` tokens (its arrays queued for
+    evaluation when it was taken).
 
     `nbytes` is the memory its arrays hold. `trimmable`: `restore(..., length=n)` accepts any
     `1 <= n <= length`; otherwise only `n == length`. Immutable; restore it any number of times.
@@ -344,7 +345,7 @@ class KVSnapshot:
 
 def snapshot(cache: Sequence[Any], length: int | None = None) -> KVSnapshot:
     """Copy the state of the live prompt cache `cache` (one entry per layer, as made by
-    `make_prompt_cache`) into a `KVSnapshot`. Evaluates pending computation of `cache`.
+    `make_prompt_cache`) into a `KVSnapshot`. Queues the copies; does not wait for them.
 
     `length` is the number of tokens the cache has processed. When omitted it is read from the
     key/value layers; a purely recurrent cache (only `ArraysCache`) records no count, so it must
@@ -371,9 +372,12 @@ def snapshot(cache: Sequence[Any], length: int | None = None) -> KVSnapshot:
 
 
 def _evaluated(layers: tuple[_Layer, ...], length: int) -> KVSnapshot:
-    """The snapshot of `layers`, their copies computed now."""
+    """The snapshot of `layers`, their copies queued on the device (`mx.async_eval`): the call
+    does not wait for computation already queued, e.g. the next decode step (on a GPU that wait
+    would be a whole step). The copies are MLX arrays of their own, so what the live cache does
+    next, in place or not, cannot reach them; MLX computes them before anything that reads them."""
     arrays = [a for layer in layers for a in layer.arrays()]
-    mx.eval(arrays)
+    mx.async_eval(arrays)
     return KVSnapshot(
         layers=layers,
         length=length,
