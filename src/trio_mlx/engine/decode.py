@@ -6,13 +6,13 @@ within one chunk or one token.
 
 The arithmetic follows `mlx_lm.generate_step`: the prompt goes through the model in chunks of
 `prefill_step_size` tokens and the last position's logits give the first token (`PrefillPlan`).
-Where mlx-lm always feeds the last prompt token alone, on a GPU a short tail (`PrefillPlan.tail`, 64
-tokens, 128 with shape blocks) goes in that same forward pass (one forward pass fewer; greedy output
-can differ from mlx-lm's only where two logits tie within rounding). Without logits processors each
-decode step queues the next token's computation (`mx.async_eval`) before reading the current one, so
-the device never waits on Python. While logits processors are active, steps run one at a time (a
-processor must see every token before it shapes the next); once every retiring processor has
-retired, pipelining resumes.
+Where mlx-lm always feeds the last prompt token alone, on a GPU a tail of up to `PrefillPlan.tail`
+tokens (64; 1,024 on CUDA: most chat prompts whole) goes in that same forward pass (one forward pass
+fewer; greedy output can differ from mlx-lm's only where two logits tie within rounding). Without
+logits processors each decode step queues the next token's computation (`mx.async_eval`) before
+reading the current one, so the device never waits on Python. While logits processors are active,
+steps run one at a time (a processor must see every token before it shapes the next); once every
+retiring processor has retired, pipelining resumes.
 
 Prefix caching: a sequence may start from a restored cache that already holds the first
 `cached_tokens` prompt tokens (it then prefills only the rest). Each step reports the job's
@@ -47,9 +47,17 @@ from trio_mlx.types import SamplingParams, TokenLogprob
 
 #: On a GPU, a prompt tail this short goes through the model together with the last prompt token
 #: (whose logits give the first token) instead of as a chunk of its own: one forward pass fewer,
-#: which there costs about as much as a decode step, for computing the output layer on a few more
-#: positions. It is what a cached request (restored prefix, short new suffix) mostly prefills.
+#: for computing the output layer on a few more positions.
 GPU_FUSED_TAIL_TOKENS = 64
+#: On MLX's CUDA backend, a prompt (or the rest of one) of up to this many tokens goes in that one
+#: pass: there a pass of up to ~1,000 tokens costs about what a decode step costs (launch-bound),
+#: and the pass saved, with its synchronisation, more than the output layer on the extra
+#: positions (~1 TFLOP for a 128k vocabulary: ~2 ms on an H200; on a smaller GPU it would not
+#: pay, hence CUDA only). H200, engine TTFT, tail 128 against 1024: synthetic Llama-3.2-1B bf16,
+#: prompts of 138/300/500/1000 tokens: 17.9/18.5/19.2/20.0 ms against 8.6/9.5/7.5/11.2 ms;
+#: Llama-3-8B bf16: 23.7/30.8/37.2/42.7 ms against 22.2/22.6/22.2/32.7 ms
+#: (docs/benchmarks/README.md, "Fused prompt tail on the H200").
+CUDA_FUSED_TAIL_TOKENS = 1024
 #: On MLX's CUDA backend, prefill passes are cut in whole blocks of this many tokens.
 CUDA_PREFILL_BLOCK = 64
 
@@ -80,19 +88,21 @@ class PrefillPlan:
     def choose(
         cls, step: int, *, tail: int | None, block: int | None, trimmable: bool
     ) -> PrefillPlan:
-        """The plan for this device and cache. `tail` None: `GPU_FUSED_TAIL_TOKENS` on a GPU,
-        else 1 (on the CPU the output layer on extra positions costs more than the pass saved:
-        +35% time to first token for a 40-token prompt on SmolLM2-135M). `block` None:
-        `CUDA_PREFILL_BLOCK` on MLX's CUDA backend (a cuDNN attention graph is built for every new
-        shape, 50-150 ms each), else 1. A default tail grows to two blocks; a block
-        that cannot be used (see the class) falls back to 1."""
+        """The plan for this device and cache. `tail` None: `CUDA_FUSED_TAIL_TOKENS` on MLX's CUDA
+        backend, `GPU_FUSED_TAIL_TOKENS` on another GPU, else 1 (on the CPU the output layer on
+        extra positions costs more than the pass saved: +35% time to first token for a 40-token
+        prompt on SmolLM2-135M). `block` None: `CUDA_PREFILL_BLOCK` on MLX's CUDA backend (a cuDNN
+        attention graph is built for every new shape, 50-150 ms each), else 1. A default tail grows
+        to two blocks; a block that cannot be used (see the class) falls back to 1."""
         on_gpu = mx.default_device() == mx.gpu
+        on_cuda = on_gpu and mx.cuda.is_available()
         if block is None:
-            block = CUDA_PREFILL_BLOCK if on_gpu and mx.cuda.is_available() else 1
+            block = CUDA_PREFILL_BLOCK if on_cuda else 1
         if tail is None:
-            # With blocks, twice the block: a prefix-cache hit, cut back to a block boundary,
-            # leaves up to a block more to prefill than the new tokens alone.
-            tail = max(GPU_FUSED_TAIL_TOKENS if on_gpu else 1, 2 * block if block > 1 else 1)
+            tail = CUDA_FUSED_TAIL_TOKENS if on_cuda else GPU_FUSED_TAIL_TOKENS if on_gpu else 1
+            # With blocks, at least twice the block: a prefix-cache hit, cut back to a block
+            # boundary, leaves up to a block more to prefill than the new tokens alone.
+            tail = max(tail, 2 * block if block > 1 else 1)
         tail = min(tail, step)
         return cls(step, tail, block if trimmable and _block_fits(block, step, tail) else 1)
 
