@@ -10,9 +10,12 @@ Where mlx-lm always feeds the last prompt token alone, on a GPU a tail of up to 
 tokens (64; 1,024 on CUDA: most chat prompts whole) goes in that same forward pass (one forward pass
 fewer; greedy output can differ from mlx-lm's only where two logits tie within rounding). Without
 logits processors each decode step queues the next token's computation (`mx.async_eval`) before
-reading the current one, so the device never waits on Python. While logits processors are active,
-steps run one at a time (a processor must see every token before it shapes the next); once every
-retiring processor has retired, pipelining resumes.
+reading the current one, so the device never waits on Python. The first token is the exception: its
+step builds the next step's graph while the device computes the first token, but queues it only at
+the next step, after the first token has been handed over (queuing a step costs host time: ~1 ms on
+the CPU backend). While logits processors are active, steps run one at a time (a processor must see
+every token before it shapes the next); once every retiring processor has retired, pipelining
+resumes.
 
 Prefix caching: a sequence may start from a restored cache that already holds the first
 `cached_tokens` prompt tokens (it then prefills only the rest). Each step reports the job's
@@ -229,6 +232,9 @@ class ActiveSequence:
         self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
         self._prompt_done = cached_tokens
         self._current: _Pending | None = None  # the token being computed for the consumer
+        # `_current` is built but not yet queued on the device (the first token's successor:
+        # see `_decode_one`); the next step queues it.
+        self._current_unqueued = False
         self.generated = 0
         self.finished = False
 
@@ -302,6 +308,10 @@ class ActiveSequence:
             tail_points = tuple(self._store_points)  # all within the prompt, now all reached
             self._store_points.clear()
             return dataclasses.replace(result, store_points=tail_points)
+        if self._current_unqueued:
+            assert self._current is not None
+            mx.async_eval(*self._current.arrays())
+            self._current_unqueued = False
         return self._decode_one(prefilled=0)
 
     def _forward(self, tokens: Any, position: int = -1) -> _Pending:
@@ -325,19 +335,26 @@ class ActiveSequence:
         assert self._current is not None
         current = self._current
         last_one = self.generated + 1 >= self.job.params.max_tokens
+        # The first token's successor is queued on the device only at the next step, after the
+        # first token has been handed over (queuing a step costs milliseconds of host time);
+        # where possible its graph is built now, while the device computes the first token.
+        first = prefilled > 0
         pipelined = not self._processors
         upcoming = None
         if pipelined and not last_one:
             upcoming = self._forward(current.token)
-            mx.async_eval(*upcoming.arrays())
+            if not first:
+                mx.async_eval(*upcoming.arrays())
         token = int(current.token.item())
         logprobs = (_read_logprobs(token, current),) if current.chosen is not None else ()
         if not pipelined:
             self._processors = [p for p in self._processors if not getattr(p, "is_retired", False)]
             if not last_one and token not in self._eos:
                 upcoming = self._forward(current.token)
-                mx.async_eval(*upcoming.arrays())
+                if not first:
+                    mx.async_eval(*upcoming.arrays())
         self._current = upcoming
+        self._current_unqueued = first and upcoming is not None
         if upcoming is not None:
             self._fed_generated.append(token)
         if token in self._eos:
