@@ -26,6 +26,10 @@ rotated from cell to cell. After one warm-up per system and shape. Everything is
 `--deadline-s` for the whole measurement (cells not started by then are reported as skipped),
 `--cell-timeout-s` per cell, `--server-start-timeout-s` per server. Loopback addresses only.
 
+`--decode-pairs N` then measures decode against raw mlx-lm in N back-to-back pairs per system
+(the ratio taken within each pair: on a shared GPU host raw mlx-lm's own speed swings by ±25 %
+between requests minutes apart; `bench/decode_pairs.py`).
+
 Writes OUT.json (every request's figures, machine, versions, command), OUT.md (medians over the
 repeats, ratios against raw mlx-lm from the same repeat) and OUT.png. `--render OUT.json` redraws
 the table and plot from a JSON written elsewhere (e.g. on a host without matplotlib).
@@ -775,6 +779,18 @@ async def run_model(
             nursery.start_soon(gpu.run)
             try:
                 await measure(spec, args, deadline, systems, runners, prompts, gpu, model_report)
+                if args.decode_pairs and time.monotonic() < deadline:
+                    from bench.decode_pairs import measure_pairs
+
+                    model_report["decode_pairs"] = await measure_pairs(
+                        runners,
+                        prompts,
+                        systems,
+                        pairs=args.decode_pairs,
+                        prompt_tokens=min(args.prompt_tokens),
+                        max_tokens=args.max_tokens,
+                    )
+                    log(f"[{spec}] decode pairs: {model_report['decode_pairs']['summary']}")
             finally:
                 nursery.cancel_scope.cancel()
         for system in systems:
@@ -1047,6 +1063,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         if skipped:
             lines.append(f"- {skipped} cells not run: the --deadline-s passed")
         lines.append("")
+        if model.get("decode_pairs"):
+            from bench.decode_pairs import markdown
+
+            lines += markdown(model["decode_pairs"], LABELS)
     return "\n".join(lines)
 
 
@@ -1282,6 +1302,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--cell-timeout-s", type=float, default=600)
     parser.add_argument("--server-start-timeout-s", type=float, default=600)
+    parser.add_argument(
+        "--decode-pairs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the grid, N back-to-back (raw, system) single-stream pairs per system on the "
+        "shortest prompt: decode ratio within each pair (bench/decode_pairs.py)",
+    )
     parser.add_argument("--render", metavar="JSON", help="only redraw .md and .png from a JSON")
     args = parser.parse_args(argv)
     unknown = set(args.systems) - set(SYSTEMS)
