@@ -17,14 +17,16 @@
 # logs.tar.gz). Back here, redraw the plot with matplotlib:
 #   python -m bench.compare --render docs/benchmarks/<name>.json
 #
-# Knobs: MODELS (default "synthetic:llama-1b-bf16 synthetic:llama-8b-q4"; one per command if the
-# two do not fit one call), DEADLINE_1B / DEADLINE_8B (seconds after which no new cell starts),
-# REPEATS (default 2). Each model's run is also killed (SIGINT: it still writes what it has and
-# stops its servers) TIMEOUT_PAD seconds after its deadline. The deadlines count from the start of
-# each model's run (building the synthetic weights, loading three copies, warm-up included); the
-# defaults (170 s + 230 s, hard caps 230 s + 290 s) keep install + both models under the 10-minute
-# command limit, at the price of an incomplete second repeat (and, on 8B, perhaps the last cell:
-# prompt 2048 x 16 streams). For the full grid run one model per command with a larger deadline:
+# Knobs: MODELS (default "synthetic:llama-1b-bf16 synthetic:llama-8b-q4"; one per command if the two
+# do not fit one call), DEADLINE_1B / DEADLINE_8B (seconds after which no new cell starts), REPEATS
+# (default 2), DECODE_PAIRS (default 0: `bench.compare --decode-pairs`, decode ratios within
+# back-to-back pairs; ~2 s a pair and system on the 1B). Each model's run is also killed (SIGINT: it
+# still writes what it has and stops its servers) TIMEOUT_PAD seconds after its deadline. The
+# deadlines count from the start of each model's run (building the synthetic weights, loading three
+# copies, warm-up included); the defaults (170 s + 230 s, hard caps 230 s + 290 s) keep install +
+# both models under the 10-minute command limit, at the price of an incomplete second repeat (and,
+# on 8B, perhaps the last cell: prompt 2048 x 16 streams). For the full grid run one model per
+# command with a larger deadline:
 #   MODELS=synthetic:llama-8b-q4 DEADLINE_8B=420 bash bench/gpu_run.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel 2>/dev/null || dirname "$(dirname "$(readlink -f "$0")")")"
@@ -99,7 +101,7 @@ TIMEOUT_PAD=${TIMEOUT_PAD:-60}
 WORK=/tmp/trio-mlx-compare
 common=(--systems raw,engine,http,mlx_lm_server,vllm_mlx --prompt-tokens 128,2048 --max-tokens 256
         --concurrency 1,4,16 --repeats "$REPEATS" --workdir "$WORK" --cell-timeout-s 120
-        --server-start-timeout-s 180 --engine-own-weights)
+        --server-start-timeout-s 180 --engine-own-weights --decode-pairs "${DECODE_PAIRS:-0}")
 if [[ -x /tmp/vllm-python ]]; then common+=(--vllm-python /tmp/vllm-python); else common+=(--vllm-python none); fi
 stamp=$(date +%Y-%m-%d)
 status=0
