@@ -30,8 +30,9 @@ from typing import Any, Unpack
 
 from trio_mlx.actors.admission import AdmissionController
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
+from trio_mlx.actors.model_info import ModelInfo
 from trio_mlx.actors.request import ActiveRequest, GenerationStream
-from trio_mlx.actors.runner import ModelInfo, Runner
+from trio_mlx.actors.runner import Runner
 from trio_mlx.actors.stream import RequestStream, TokenSink
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.decode import GenerationJob

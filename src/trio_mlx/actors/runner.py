@@ -46,7 +46,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ import trio
 
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
+from trio_mlx.actors.model_info import ModelInfo, describe
 from trio_mlx.actors.runner_threads import RUNNER_THREAD_NAME as RUNNER_THREAD_NAME
 from trio_mlx.actors.runner_threads import (
     runner_stream,
@@ -63,10 +64,8 @@ from trio_mlx.actors.runner_threads import (
 from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
-from trio_mlx.engine.kv_snapshots import SnapshotSupport, cache_support
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.mlx_cuda import apply_serving_defaults
-from trio_mlx.engine.prompt_cache import chunking_exact_limit, make_cache
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason, TokenLogprob
 
@@ -76,27 +75,6 @@ ModelLoader = Callable[[str | Path | None], LoadedModel]
 
 #: Seconds without work after which the runner frees MLX's buffer cache.
 IDLE_TRIM_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the rest of the engine may know about the loaded model (no MLX objects).
-
-    `cache_support`: whether the model's prompt cache (as built with the engine's `max_kv_size`)
-    can be snapshotted; `exact_prompt_limit`: see `prompt_cache.chunking_exact_limit`;
-    `weights_bytes`: memory of the model's parameters (sets the default cache budget).
-    """
-
-    name: str
-    path: Path
-    context_length: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    tokenizer: Any
-    config: dict[str, Any] = field(default_factory=dict)
-    cache_support: SnapshotSupport | None = None
-    exact_prompt_limit: int | None = None
-    weights_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -339,20 +317,7 @@ class Runner:
 
         apply_serving_defaults()
         loaded = self._loader(self._model_spec)
-        probe = make_cache(loaded.model, self._max_kv_size)
-        info = ModelInfo(
-            name=loaded.name,
-            path=loaded.path,
-            context_length=loaded.context_length,
-            vocab_size=_vocab_size(loaded),
-            eos_token_ids=loaded.eos_token_ids,
-            tokenizer=loaded.tokenizer,
-            config=loaded.config,
-            cache_support=cache_support(probe),
-            exact_prompt_limit=chunking_exact_limit(probe),
-            weights_bytes=_weights_bytes(loaded.model),
-        )
-        del probe
+        info = describe(loaded, self._max_kv_size)
         step, tail, block = self._prefill_options
         self._prefill_plan = PrefillPlan.choose(
             step,
@@ -483,19 +448,3 @@ class Runner:
                 )
         self.counters.live = len(live)
         return events
-
-
-def _weights_bytes(model: Any) -> int:
-    """Bytes held by the model's parameters."""
-    from mlx.utils import tree_flatten
-
-    leaves: Any = tree_flatten(model.parameters())
-    return sum(int(array.nbytes) for _, array in leaves)
-
-
-def _vocab_size(loaded: LoadedModel) -> int:
-    config = loaded.config
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    if isinstance(size, int) and size > 0:
-        return size
-    return len(loaded.tokenizer)

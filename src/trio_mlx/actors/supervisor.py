@@ -22,7 +22,8 @@ import trio
 from trio_mlx.actors.admission import AdmissionBook, AdmissionController
 from trio_mlx.actors.engine import Engine
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
-from trio_mlx.actors.runner import ModelInfo, ModelLoader, Runner
+from trio_mlx.actors.model_info import ModelInfo
+from trio_mlx.actors.runner import ModelLoader, Runner
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.kv_snapshots import SnapshotSupport
 from trio_mlx.engine.loading import load_model
