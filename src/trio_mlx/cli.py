@@ -92,7 +92,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--fused-tail-tokens",
         type=int,
         default=None,
-        help="prompt tokens fed with the first token's forward pass (default: 64 on a GPU, else 1)",
+        help="prompt tokens fed with the first token's forward pass "
+        "(default: 1024 on CUDA, 64 on another GPU, else 1)",
     )
     parser.add_argument("--max-tokens", type=int, default=None, help="server-wide cap")
     parser.add_argument("--default-max-tokens", type=int, default=256)

@@ -19,8 +19,8 @@ class EngineConfig:
       `max_wait` seconds. None picks `"wait"` when `max_waiting > 0`, else `"fail-fast"`.
     - `prefill_step_size`: prompt tokens per prefill chunk; aborts take effect between chunks.
     - `fused_tail_tokens`: a prompt rest of at most this many tokens goes through the model in
-      the first token's forward pass (1: the last token alone, as mlx-lm). None: 64 on a GPU, 1
-      on the CPU (`decode.PrefillPlan.choose` says why).
+      the first token's forward pass (1: the last token alone, as mlx-lm). None: 1,024 on MLX's
+      CUDA backend, 64 on another GPU, 1 on the CPU (`decode.PrefillPlan.choose` says why).
     - `prefill_block`: prefill forward passes start and end on multiples of this many tokens (the
       last one padded, the padding cut off the cache again), so that the attention kernels see few
       distinct shapes. None: 64 on MLX's CUDA backend, which builds a cuDNN graph for each new

@@ -13,8 +13,9 @@ def apply_serving_defaults() -> None:
 
     MLX builds a graph for every new (query length, key length) of a prefill pass, 50-150 ms
     each on the H200, and keeps them in an LRU (`MLX_CUDA_SDPA_CACHE_SIZE`). With prefill shape
-    blocks (`decode.PrefillPlan`) a server meets about two shapes per block of context, so a cache
-    this size holds them all for contexts up to ~32k tokens; an evicted graph would be built again.
+    blocks of 64 (`decode.PrefillPlan`) a cache this size holds every shape of a short new suffix
+    (one or two blocks, as prefix-cache hits mostly prefill) over contexts up to ~32k tokens, and
+    every whole prompt of up to 1,024 tokens; a rarer shape evicted would be built again.
     A value already in the environment wins. MLX reads the setting once, at the first prefill
     attention of the process, so this runs before the model is loaded; elsewhere than CUDA it
     changes nothing.
