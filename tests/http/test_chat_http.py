@@ -201,3 +201,23 @@ async def test_streamed_logprobs_cover_every_token(http: httpx.AsyncClient) -> N
     ]
     assert len(tokens) == 6
     assert all(set(t) == {"token", "logprob", "bytes", "top_logprobs"} for t in tokens)
+
+
+def test_delta_chunks_are_the_bytes_the_models_build() -> None:
+    """The per-token fast path (`_delta_chunk`) writes what `ChatCompletionChunk` would."""
+    from trio_mlx.http.chat import _Reply
+    from trio_mlx.http.objects import ChatDelta
+
+    reply = _Reply('chatcmpl-"q"', 1_700_000_000, 'tiny "alias" é', text=None)  # type: ignore[arg-type]
+    for role, content, reasoning in [
+        (True, "Hello", ""),
+        (False, ' "quoted" \\ \n tab\t', ""),
+        (False, "ünï 😀 \u2028", "thinking…"),
+        (True, "", "only reasoning"),
+    ]:
+        delta = ChatDelta(
+            role="assistant" if role else None,
+            content=content or None,
+            reasoning_content=reasoning or None,
+        )
+        assert reply._delta_chunk(role, content, reasoning) == reply._chunk(delta)

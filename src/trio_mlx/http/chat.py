@@ -13,6 +13,7 @@ next step boundary; the admission slot is free at once.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -48,6 +49,11 @@ from trio_mlx.http.state import ServerState
 from trio_mlx.types import GenerationOutput, TokenLogprob
 
 TEXT_PARTS = {"text", "input_text", "output_text"}
+_DELTA_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -138,6 +144,22 @@ class _Reply:
         self.created = created
         self.model = model
         self.text = text
+        # A content chunk is the same bytes around its delta every time: encoded once here, so
+        # that a token costs one `json.dumps` of its delta (`_delta_chunk`), not three models.
+        head = _json({"id": id, "object": "chat.completion.chunk", "created": created})
+        self._delta_head = (
+            b"data: " + head[:-1] + b',"model":' + _json(model) + b',"choices":[{"index":0,"delta":'
+        )
+
+    def _delta_chunk(self, role: bool, content: str | None, reasoning: str | None) -> bytes:
+        """The SSE event of a chunk carrying only a delta (no logprobs, no finish); the same
+        bytes as `_chunk` builds for it."""
+        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        if content:
+            delta["content"] = content
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        return self._delta_head + _json(delta) + _DELTA_TAIL
 
     def completion(self, final: GenerationOutput, *, with_logprobs: bool) -> ChatCompletion:
         return ChatCompletion(
@@ -188,13 +210,17 @@ class _Reply:
                 if out.new_logprobs:
                     pending.extend(out.new_logprobs)
                 if out.new_text or out.new_reasoning:
-                    delta = ChatDelta(
-                        role=None if role_sent else "assistant",
-                        content=out.new_text or None,
-                        reasoning_content=out.new_reasoning or None,
-                    )
+                    logprobs = self._take(pending, out)
+                    if logprobs is None:
+                        yield self._delta_chunk(not role_sent, out.new_text, out.new_reasoning)
+                    else:
+                        delta = ChatDelta(
+                            role=None if role_sent else "assistant",
+                            content=out.new_text or None,
+                            reasoning_content=out.new_reasoning or None,
+                        )
+                        yield self._chunk(delta, logprobs=logprobs)
                     role_sent = True
-                    yield self._chunk(delta, logprobs=self._take(pending, out))
                 if not out.finished:
                     continue
                 error = failure(out)
