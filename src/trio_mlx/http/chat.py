@@ -13,7 +13,6 @@ next step boundary; the admission slot is free at once.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,6 +25,7 @@ from trio_mlx.http.generation import (
     TokenText,
     admit,
     failure,
+    json_bytes,
     new_id,
     openai_finish_reason,
     outputs,
@@ -50,10 +50,6 @@ from trio_mlx.types import GenerationOutput, TokenLogprob
 
 TEXT_PARTS = {"text", "input_text", "output_text"}
 _DELTA_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
-
-
-def _json(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -146,10 +142,10 @@ class _Reply:
         self.text = text
         # A content chunk is the same bytes around its delta every time: encoded once here, so
         # that a token costs one `json.dumps` of its delta (`_delta_chunk`), not three models.
-        head = _json({"id": id, "object": "chat.completion.chunk", "created": created})
-        self._delta_head = (
-            b"data: " + head[:-1] + b',"model":' + _json(model) + b',"choices":[{"index":0,"delta":'
+        head = json_bytes(
+            {"id": id, "object": "chat.completion.chunk", "created": created, "model": model}
         )
+        self._delta_head = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":'
 
     def _delta_chunk(self, role: bool, content: str | None, reasoning: str | None) -> bytes:
         """The SSE event of a chunk carrying only a delta (no logprobs, no finish); the same
@@ -159,7 +155,7 @@ class _Reply:
             delta["content"] = content
         if reasoning:
             delta["reasoning_content"] = reasoning
-        return self._delta_head + _json(delta) + _DELTA_TAIL
+        return self._delta_head + json_bytes(delta) + _DELTA_TAIL
 
     def completion(self, final: GenerationOutput, *, with_logprobs: bool) -> ChatCompletion:
         return ChatCompletion(

@@ -69,9 +69,14 @@ def outputs(active: ActiveRequest) -> GenerationStream:
     return GenerationStream(started)
 
 
+def json_bytes(value: Any) -> bytes:
+    """`value` as compact JSON (no spaces), encoded: how every SSE payload is written."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
 def sse(payload: dict[str, Any]) -> bytes:
     """One SSE `data:` event."""
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_bytes(payload) + b"\n\n"
 
 
 def sse_event(event: str, payload: dict[str, Any]) -> bytes:
