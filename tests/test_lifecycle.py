@@ -67,8 +67,10 @@ async def test_a_waiter_is_refused_when_the_engine_closes(tiny_model_dir: Path) 
     errors: list[BaseException] = []
 
     async def wait_for_slot(engine: trio_mlx.Engine) -> None:
+        request = engine.prepare_generate(PROMPT, max_tokens=2)  # so that it queues once blocked
         try:
-            await engine.generate(PROMPT, max_tokens=2)
+            async with engine.open_stream(request):
+                pass
         except trio_mlx.EngineClosed as exc:
             errors.append(exc)
 

@@ -29,7 +29,7 @@ from trio_mlx.http.generation import (
     new_id,
     openai_finish_reason,
     outputs,
-    prepare,
+    prepare_async,
     raise_failure,
     run_to_end,
     sse,
@@ -115,8 +115,8 @@ async def chat_completions(
         options["top_logprobs"] = body.top_logprobs or 0
     if body.thinking_token_budget is not None:
         options["thinking_token_budget"] = body.thinking_token_budget
-    prepared = prepare(
-        lambda: engine.prepare_chat(
+    prepared = await prepare_async(
+        lambda: engine.prepare_chat_async(
             messages,
             max_tokens=body.completion_limit,
             tools=tools,

@@ -23,7 +23,7 @@ from trio_mlx.http.generation import (
     new_id,
     openai_finish_reason,
     outputs,
-    prepare,
+    prepare_async,
     raise_failure,
     run_to_end,
     sse,
@@ -46,8 +46,8 @@ async def completions(
     if body.logprobs is not None:
         options["logprobs"] = True
         options["top_logprobs"] = body.logprobs
-    prepared = prepare(
-        lambda: engine.prepare_generate(prompt, max_tokens=body.max_tokens, **options)
+    prepared = await prepare_async(
+        lambda: engine.prepare_generate_async(prompt, max_tokens=body.max_tokens, **options)
     )
     record.prompt_tokens = len(prepared.prompt_tokens)
     echo = ""

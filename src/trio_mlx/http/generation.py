@@ -1,8 +1,8 @@
 """What every generation route shares: preparing and admitting a request with HTTP errors, the
 SSE framing, the error a stream ends with, and logprobs in the OpenAI shapes.
 
-A request is decided before the first byte: validation (`prepare`) and admission (`admit`) both
-raise `APIError`, so a refused request gets its status code, never an HTTP 200 with an empty
+A request is decided before the first byte: validation (`prepare_async`) and admission (`admit`)
+both raise `APIError`, so a refused request gets its status code, never an HTTP 200 with an empty
 stream. Once admitted, the `ActiveRequest` is owned by the HTTP request's ASGI call
 (`ownership.own`): it is closed when that call ends, whatever the point of the response's life at
 which it ended (a client gone before the body's first byte included). `outputs` and `run_to_end`
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 from trio_mlx.actors.engine import Engine
@@ -48,9 +48,19 @@ def new_id(prefix: str) -> str:
 
 
 def prepare(build: Callable[[], T]) -> T:
-    """Run the engine's request preparation, turning its refusals into 400s."""
+    """Run the engine's synchronous request preparation, turning its refusals into 400s.
+    It tokenizes on the event loop: routes use `prepare_async`."""
     try:
         return build()
+    except TrioMLXError as exc:
+        raise from_engine_error(exc) from exc
+
+
+async def prepare_async(build: Callable[[], Awaitable[T]]) -> T:
+    """Await the engine's request preparation (`Engine.prepare_chat_async` /
+    `prepare_generate_async`: tokenization off the event loop), refusals as 400s."""
+    try:
+        return await build()
     except TrioMLXError as exc:
         raise from_engine_error(exc) from exc
 
