@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -153,3 +154,33 @@ async def test_mlx_buffers_are_kept_between_requests_and_freed_once_idle(
                 await trio.sleep(0.05)
         await engine.generate("Once upon a time", max_tokens=8, temperature=0.0)
         assert mx.get_cache_memory() > 0
+
+
+async def test_a_model_load_cancelled_midway_returns_without_waiting_for_it(
+    tiny_model_dir: Path,
+) -> None:
+    """The load (on the runner thread) cannot be interrupted; the caller is not kept waiting
+    for it, and the thread drops the model and parks once the load ends."""
+    from trio_mlx.engine.loading import load_model
+
+    release = threading.Event()
+    load_ended = threading.Event()
+
+    def slow_loader(spec: str | Path | None) -> Any:
+        try:
+            release.wait(timeout=10)  # a load that lasts until the test ends it
+            return load_model(spec)
+        finally:
+            load_ended.set()
+
+    with trio.fail_after(8):
+        with trio.move_on_after(0.5) as scope:
+            async with trio_mlx.open_engine(tiny_model_dir, loader=slow_loader):
+                pytest.fail("the engine cannot have opened")
+    assert scope.cancelled_caught
+    assert not load_ended.is_set()  # returned while the load was still running
+    release.set()
+    await trio.to_thread.run_sync(load_ended.wait)
+    with trio.fail_after(10):
+        while runner_threads():  # noqa: ASYNC110 (a thread's name has no event)
+            await trio.sleep(0.01)
