@@ -67,7 +67,6 @@ from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
-from trio_mlx.engine.mlx_cuda import apply_serving_defaults
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason, TokenLogprob
 
@@ -327,7 +326,6 @@ class Runner:
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
 
-        apply_serving_defaults()
         loaded = self._loader(self._model_spec)
         self._loaded.set()
         if self._stop.is_set():  # cancelled while loading: nobody waits for this model
