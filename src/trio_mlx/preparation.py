@@ -36,12 +36,6 @@ from trio_mlx.types import SamplingParams
 
 DEFAULT_THINK_TAGS = ("<think>", "</think>")
 
-#: The sampling defaults of every surface — the engine API, the HTTP routes, `trio-mlx generate`
-#: — when a request names none: OpenAI's (its API documents temperature 1 and top_p 1). Greedy
-#: decoding is `temperature=0`, asked for explicitly.
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_P = 1.0
-
 
 class SamplingOptions(TypedDict, total=False):
     """Keyword options every generation call accepts besides max_tokens/temperature/top_p/stop.

@@ -9,6 +9,12 @@ from typing import Literal
 
 from trio_mlx.errors import InvalidRequest
 
+#: The sampling defaults of every surface — the engine API, the HTTP routes, `trio-mlx generate`
+#: — when a request names none: OpenAI's (its API documents temperature 1 and top_p 1). Greedy
+#: decoding is `temperature=0`, asked for explicitly.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 

@@ -45,17 +45,10 @@ from trio_mlx.actors.stream import RequestStream, TokenSink
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.decode import GenerationJob
 from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError
-from trio_mlx.preparation import (
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
-    PreparedRequest,
-    ReasoningTags,
-    RequestPreparer,
-    SamplingOptions,
-)
+from trio_mlx.preparation import PreparedRequest, ReasoningTags, RequestPreparer, SamplingOptions
 from trio_mlx.text.detokenizer import decoder_for
 from trio_mlx.text.reasoning import ReasoningSplitter
-from trio_mlx.types import GenerationOutput
+from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationOutput
 
 
 class Engine:

@@ -180,6 +180,7 @@ def chat_prompt(
     kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
     if tools:
         kwargs["tools"] = list(tools)
+    check_reasoning_rendered(tokenizer, normalized, kwargs)
     try:
         text = tokenizer.apply_chat_template(
             normalized, tokenize=False, add_generation_prompt=True, **kwargs
@@ -224,6 +225,26 @@ def chat_prompt(
         rest_tokens = backend.encode(rest, add_special_tokens=False).ids
         known_systems.offer(system_text, tokens, boundary, rest_tokens)
     return ChatPrompt(tokens, boundary)
+
+
+def check_reasoning_rendered(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any]
+) -> None:
+    """Refuse a message's `reasoning_content` that the chat template would silently drop.
+
+    A template that renders earlier turns' reasoning names the field (`message.reasoning_content`
+    in Qwen3's and DeepSeek's); one that does not name it drops the text, and the model would
+    see a different conversation than the caller sent: `InvalidRequest` naming the field."""
+    template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None) or ""
+    if "reasoning_content" in str(template):
+        return
+    for i, message in enumerate(messages):
+        if message.get("reasoning_content"):
+            raise InvalidRequest(
+                f"messages[{i}].reasoning_content: this model's chat template does not render "
+                "reasoning, so it would be dropped; leave it out of the message",
+                param=f"messages[{i}].reasoning_content",
+            )
 
 
 def _render_system_part(

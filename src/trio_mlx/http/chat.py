@@ -90,7 +90,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             "role": "system" if message.role == "developer" else message.role,
             "content": text or "",
         }
-        for name in ("name", "tool_calls", "tool_call_id"):
+        # `reasoning_content` goes to the template, which renders it or is refused for it
+        # (`prompts.check_reasoning_rendered`): never accepted and dropped.
+        for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             value = getattr(message, name)
             if value is not None:
                 item[name] = value
