@@ -2,7 +2,11 @@
 
 `TokenSink` is the request's mailbox. The runner's per-step delivery appends to it and never
 blocks: a consumer that falls behind finds several tokens waiting and handles them together
-(deltas coalesce) instead of slowing the runner for everyone.
+(deltas coalesce) instead of slowing the runner for everyone. It is deliberately not a memory
+channel: a bounded one would make the delivery (one call for every live request's tokens)
+block or drop tokens when one consumer is slow, and an unbounded one is this list without the
+coalescing. What bounds it is the request itself (`max_tokens`). A consumer that has gone
+`close()`s it; the next `push` returns False and the runner aborts the request.
 
 `RequestStream` owns the request's detokenizer, stop-string matcher, usage counts and timings, and
 turns what the sink holds into `GenerationOutput`s. It runs in the consumer's own task: iterating
