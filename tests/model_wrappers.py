@@ -49,7 +49,7 @@ class ScriptedModel(_Wrapped):
 
 class FaultyModel(_Wrapped):
     """Raises `RuntimeError` from the forward pass whenever `poison` is among the input tokens,
-    or once `fail_after_calls` calls have been made (for a failure in the middle of decoding)."""
+    or once the cache holds `fail_at_position` tokens (for a failure in the middle of decoding)."""
 
     def __init__(self, inner: Any, poison: int, fail_at_position: int | None = None) -> None:
         super().__init__(inner)

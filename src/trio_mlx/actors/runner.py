@@ -103,7 +103,7 @@ class _Abort:
     store: bool = True
 
 
-class _Reply:
+class _Answer:
     """A one-shot answer from the runner thread, resolved on the Trio thread."""
 
     def __init__(self) -> None:
@@ -118,7 +118,7 @@ class _Reply:
 
 @dataclass(frozen=True)
 class _ClearSnapshots:
-    reply: _Reply
+    reply: _Answer
 
 
 _Command = _Start | _Abort | _ClearSnapshots
@@ -170,7 +170,7 @@ class Runner:
         self.crash: BaseException | None = None
         self._snapshots = SnapshotKeeper()
         self.snapshot_counters = self._snapshots.counters
-        self._replies: set[_Reply] = set()
+        self._replies: set[_Answer] = set()
         self._serving = False
 
     # ---- Trio side -------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class Runner:
         between two steps. Returns what was freed, or None when the runner is not serving."""
         if not self._serving or self.crash is not None:
             return None
-        reply = _Reply()
+        reply = _Answer()
         self._replies.add(reply)
         try:
             self._commands.put(_ClearSnapshots(reply))

@@ -35,13 +35,12 @@ log = logging.getLogger(__name__)
 class SnapshotCounters:
     """Written by the runner thread only; read by anyone (plain numbers)."""
 
-    #: snapshots taken, their total seconds, those that failed, restores done, tokens restored,
-    #: snapshots held now
+    #: snapshots taken, their total seconds, those that failed, restores done, snapshots held now
+    #: (the tokens restored are the book's `tokens_saved`)
     snapshots_taken: int = 0
     snapshot_seconds: float = 0.0
     snapshot_failures: int = 0
     restores: int = 0
-    cached_prompt_tokens: int = 0
     snapshots_held: int = 0
 
 
@@ -78,7 +77,6 @@ class SnapshotKeeper:
                 log.exception("snapshot %d could not be restored", hit.entry_id)
             else:
                 self.counters.restores += 1
-                self.counters.cached_prompt_tokens += hit.length
                 return cache, hit.length
         # Evicted meanwhile, or unusable: forget it and prefill everything.
         self._snapshots.pop(hit.entry_id, None)

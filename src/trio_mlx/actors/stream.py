@@ -231,7 +231,10 @@ class RequestStream:
             error=batch.error if finish == "error" else None,
         )
         if batch.first_token_at is not None:
-            output.time_to_first_token = batch.first_token_at - self._submitted_at
+            ttft = batch.first_token_at - self._submitted_at
+            output.time_to_first_token = ttft
+            if ttft > 0:
+                output.prompt_tps = (self._prompt_tokens - self._sink.cached_tokens) / ttft
         if finish is not None:
             self._done = True
             if (

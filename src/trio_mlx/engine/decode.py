@@ -243,18 +243,9 @@ class ActiveSequence:
         return self._current is None and not self.finished
 
     @property
-    def active_processors(self) -> int:
-        return len(self._processors)
-
-    @property
     def cache(self) -> list[Any]:
         """The live prompt cache (snapshot it only at a step boundary)."""
         return self._cache
-
-    @property
-    def prefill_left(self) -> int:
-        """Prompt tokens not yet through the model (the last one goes with the first decode)."""
-        return len(self.job.prompt_tokens) - self._prompt_done
 
     @property
     def prefill_done(self) -> bool:

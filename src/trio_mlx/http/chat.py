@@ -128,7 +128,7 @@ async def chat_completions(
     )
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)
-    reply = _Reply(new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer))
+    reply = _ChatReply(new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer))
     if body.stream:
         return reply.stream(active, record, include_usage=body.include_usage)
     final = await run_to_end(active, record)
@@ -136,7 +136,9 @@ async def chat_completions(
     return reply.completion(final, with_logprobs=bool(body.logprobs)).dump()
 
 
-class _Reply:
+class _ChatReply:
+    """One chat completion's answer: its id, the whole body, or its SSE chunks."""
+
     def __init__(self, id: str, created: int, model: str, text: TokenText) -> None:
         self.id = id
         self.created = created

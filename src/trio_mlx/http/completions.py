@@ -54,7 +54,7 @@ async def completions(
     if body.echo:
         echo = prompt if isinstance(prompt, str) else str(engine.tokenizer.decode(prompt))
     active = await admit(engine, prepared)
-    reply = _Reply(
+    reply = _CompletionReply(
         new_id("cmpl"),
         int(time.time()),
         model,
@@ -67,7 +67,9 @@ async def completions(
     return (await reply.whole(active, record)).dump()
 
 
-class _Reply:
+class _CompletionReply:
+    """One completion's answer: its id, the whole body, or its SSE chunks."""
+
     def __init__(
         self,
         id: str,
