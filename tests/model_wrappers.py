@@ -69,14 +69,18 @@ class FaultyModel(_Wrapped):
 
 class GatedModel(_Wrapped):
     """Blocks each forward pass until the test opens the gate: lets a test hold the runner in
-    the middle of a step (a `threading.Event`, set from the test)."""
+    the middle of a step (a `threading.Event`, set from the test). `held` is set once a forward
+    pass waits at the closed gate."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
         self.gate = threading.Event()
         self.gate.set()
+        self.held = threading.Event()
 
     def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        if not self.gate.is_set():
+            self.held.set()
         self.gate.wait(timeout=30)
         return self._inner(tokens, cache=cache)
 

@@ -13,6 +13,7 @@ import trio.testing
 import trio_mlx
 from model_wrappers import FaultyModel, break_the_runner_loop, wrapping_loader
 from trio_mlx.actors.runner import RUNNER_THREAD_NAME
+from trio_mlx.actors.runner_threads import IDLE_THREAD_NAME
 
 PROMPT = "It was a bright cold day in April"
 
@@ -35,13 +36,21 @@ async def test_serve_engine_reports_the_engine_through_task_status(tiny_model_di
     assert not engine.is_alive
 
 
-async def test_the_runner_thread_is_gone_after_the_engine_closes(tiny_model_dir: Path) -> None:
+async def test_the_runner_thread_is_parked_when_the_engine_closes_and_serves_the_next(
+    tiny_model_dir: Path,
+) -> None:
+    """The thread does not exit (MLX's thread-locals must not be torn down: `runner_threads`):
+    it stops running the runner, parks, and the next engine runs on it."""
     async with trio_mlx.open_engine(tiny_model_dir) as engine:
-        assert len(runner_threads()) == 1
+        [thread] = runner_threads()
         await engine.generate(PROMPT, max_tokens=3)
     assert runner_threads() == []
+    assert thread.is_alive() and thread.name == IDLE_THREAD_NAME
     with pytest.raises(trio_mlx.EngineClosed):
         await engine.generate(PROMPT, max_tokens=3)
+    async with trio_mlx.open_engine(tiny_model_dir) as again:
+        assert runner_threads() == [thread]
+        assert (await again.generate(PROMPT, max_tokens=2)).finished
 
 
 async def test_closing_the_engine_ends_streams_in_flight_with_abort(tiny_model_dir: Path) -> None:
