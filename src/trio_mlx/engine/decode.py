@@ -133,8 +133,10 @@ class GenerationJob:
 
     `max_tokens` in `params` is already capped to what fits in the model's context.
     `store_points`: prompt lengths worth a snapshot during prefill (a chat's system-prompt
-    boundary, the prompt but its last token); prefill chunks end there. Only points in
-    `1..len(prompt_tokens) - 1` are used.
+    boundary, the prompt but its last token). Prefill chunks end exactly there only for a cache
+    that cannot be cut afterwards (`ActiveSequence(split_at_store_points=True)`); otherwise they
+    run past them and the runner snapshots the prefix. Only points past the restored
+    `cached_tokens` and in `1..len(prompt_tokens) - 1` are used.
     """
 
     request_id: int
