@@ -6,7 +6,8 @@ A request goes through three stages, each of which can refuse it before anything
    that refuses a text too long for the context without tokenizing it; validate the sampling
    parameters, check the prompt against the context (`InvalidRequest`, `PromptTooLong`).
    `prepare_generate` / `prepare_chat` are the same work, synchronous, on the calling thread
-   (a long prompt holds the event loop for its tokenization: prefer the async forms in Trio);
+   (a long prompt holds the event loop for its tokenization, and for any tokenization in
+   progress on the worker, which the preparer's lock serializes: prefer the async forms);
 2. `open_stream` (async context manager): admission (`EngineBusy`, `EngineClosed`), then the job
    goes to the runner and a `RequestStream` comes back;
 3. iterating the stream: `GenerationOutput`s until one has `finished=True`.
