@@ -686,6 +686,7 @@ async def run_model(
     from bench.models import resolve_subject
 
     import trio_mlx
+    from trio_mlx.config import SERVER_PROCESS_SETTINGS
     from trio_mlx.engine.loading import load_model
 
     workdir = Path(args.workdir)
@@ -769,6 +770,7 @@ async def run_model(
                 runners.engine = await stack.enter_async_context(
                     trio_mlx.open_engine(
                         subject.path,
+                        **SERVER_PROCESS_SETTINGS,
                         loader=load_model if args.engine_own_weights else shared_loader,
                         admission="wait",
                         max_waiting=64,

@@ -24,6 +24,7 @@ from bench.hot_path import no_eos_loader
 from bench.models import resolve_subject
 
 import trio_mlx
+from trio_mlx.config import SERVER_PROCESS_SETTINGS
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -46,7 +47,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     for tail_arg in args.tails.split(","):
         tail = None if tail_arg == "default" else int(tail_arg)
         async with trio_mlx.open_engine(
-            path, loader=no_eos_loader, cache_memory_bytes=0, fused_tail_tokens=tail
+            path,
+            loader=no_eos_loader,
+            cache_memory_bytes=0,
+            fused_tail_tokens=tail,
+            **SERVER_PROCESS_SETTINGS,
         ) as engine:
             for n in lengths:
                 for seed in range(args.warmup):

@@ -50,6 +50,7 @@ from mlx_lm.utils import load as mlx_lm_load
 import trio_mlx
 from trio_mlx.actors import runner as runner_module
 from trio_mlx.actors import snapshot_keeper
+from trio_mlx.config import SERVER_PROCESS_SETTINGS
 from trio_mlx.engine import decode as decode_module
 from trio_mlx.engine.loading import LoadedModel, load_model
 
@@ -276,7 +277,11 @@ async def novel_lengths(
     lengths: dict[str, list[int]] = {name: [] for name in names}
     seen: set[int] = set()
     async with trio_mlx.open_engine(
-        path, loader=no_eos_loader, cache_memory_bytes=0, prefill_block=1
+        path,
+        loader=no_eos_loader,
+        cache_memory_bytes=0,
+        prefill_block=1,
+        **SERVER_PROCESS_SETTINGS,
     ) as unblocked:
         await engine.clear_runtime_caches()
         for i in range(count):
@@ -321,7 +326,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"model": args.model, "device": str(mx.default_device()), "ttft": []}
     # Warm both sides on every length first (kernels for each shape).
     async with trio_mlx.open_engine(
-        subject.path, loader=no_eos_loader, cache_memory_bytes=args.cache_mb * 2**20
+        subject.path,
+        loader=no_eos_loader,
+        cache_memory_bytes=args.cache_mb * 2**20,
+        **SERVER_PROCESS_SETTINGS,
     ) as engine:
         for n in lengths:
             for seed in (1, 2):

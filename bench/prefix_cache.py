@@ -31,6 +31,7 @@ import trio
 from bench.models import resolve_subject
 
 import trio_mlx
+from trio_mlx.config import SERVER_PROCESS_SETTINGS
 from trio_mlx.engine.loading import LoadedModel, load_model
 
 TOPICS = (
@@ -82,6 +83,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     async with trio_mlx.open_engine(
         path,
+        **SERVER_PROCESS_SETTINGS,
         loader=no_eos_loader,
         cache_memory_bytes=args.cache_mb * 2**20,
         prefill_block=args.prefill_block,

@@ -49,7 +49,7 @@ class ScriptedModel(_Wrapped):
 
 class FaultyModel(_Wrapped):
     """Raises `RuntimeError` from the forward pass whenever `poison` is among the input tokens,
-    or once `fail_after_calls` calls have been made (for a failure in the middle of decoding)."""
+    or once the cache holds `fail_at_position` tokens (for a failure in the middle of decoding)."""
 
     def __init__(self, inner: Any, poison: int, fail_at_position: int | None = None) -> None:
         super().__init__(inner)
@@ -69,14 +69,18 @@ class FaultyModel(_Wrapped):
 
 class GatedModel(_Wrapped):
     """Blocks each forward pass until the test opens the gate: lets a test hold the runner in
-    the middle of a step (a `threading.Event`, set from the test)."""
+    the middle of a step (a `threading.Event`, set from the test). `held` is set once a forward
+    pass waits at the closed gate."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)
         self.gate = threading.Event()
         self.gate.set()
+        self.held = threading.Event()
 
     def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        if not self.gate.is_set():
+            self.held.set()
         self.gate.wait(timeout=30)
         return self._inner(tokens, cache=cache)
 
@@ -144,3 +148,55 @@ class RecordingModel(_Wrapped):
         before = cache[0].offset if cache else 0
         self.calls.append((before, int(tokens.shape[1])))
         return self._inner(tokens, cache=cache)
+
+
+class GatedTokenizer:
+    """Delegates to the real tokenizer, but holds any `encode` or `apply_chat_template` of a
+    text longer than `gate_above` characters until the test sets `release` (at most
+    `hold_limit` seconds); `entered` is set while one waits. Tells whether tokenization blocks
+    whatever thread runs it."""
+
+    def __init__(self, inner: Any, gate_above: int, hold_limit: float = 5.0) -> None:
+        self._inner = inner
+        self.gate_above = gate_above
+        self.hold_limit = hold_limit
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        #: Whether the held call was let go by the test (False: it timed out).
+        self.released_by_test: bool | None = None
+        self.held_calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def _hold(self, size: int) -> None:
+        if size > self.gate_above:
+            self.held_calls += 1
+            self.entered.set()
+            self.released_by_test = self.release.wait(timeout=self.hold_limit)
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        self._hold(len(text))
+        return self._inner.encode(text, *args, **kwargs)
+
+    def apply_chat_template(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        self._hold(sum(len(str(m.get("content", ""))) for m in messages))
+        return self._inner.apply_chat_template(messages, *args, **kwargs)
+
+
+def tokenizer_loader(
+    wrap: Callable[[Any], Any],
+) -> tuple[Callable[[str | Path | None], LoadedModel], list[Any]]:
+    """A loader that wraps the loaded tokenizer with `wrap`; the list receives the wrapper."""
+    made: list[Any] = []
+
+    def loader(spec: str | Path | None) -> LoadedModel:
+        loaded = load_model(spec)
+        wrapped = wrap(loaded.tokenizer)
+        made.append(wrapped)
+        return dataclasses.replace(loaded, tokenizer=wrapped)
+
+    return loader, made

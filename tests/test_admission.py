@@ -89,7 +89,10 @@ async def test_waiting_requests_are_served_in_order_and_a_full_queue_refuses(
             order.append("a")
 
         async def waiter(name: str) -> None:
-            await engine.generate(PROMPT, max_tokens=2)
+            # Prepared here, synchronously: the task is queued for admission once it blocks.
+            async with engine.open_stream(engine.prepare_generate(PROMPT, max_tokens=2)) as s:
+                async for _ in s:
+                    pass
             order.append(name)
 
         with trio.fail_after(30):

@@ -11,18 +11,10 @@ from pathlib import Path
 import trio
 
 import trio_mlx
+from idle import wait_until_idle
+from servers import eventually
 
 PROMPT = "In a hole in the ground there lived a hobbit."
-
-
-async def wait_until_idle(engine: trio_mlx.Engine) -> None:
-    """Until the runner has no live sequence and admission no holder (bounded)."""
-    with trio.fail_after(10):
-        while True:
-            stats = engine.get_stats()
-            if stats["runner"]["live_sequences"] == 0 and stats["running"] == 0:
-                return
-            await trio.sleep(0.002)
 
 
 async def test_cancelling_mid_decode_frees_the_runner_within_one_step(
@@ -81,8 +73,17 @@ async def test_an_abandoned_stream_is_aborted_when_it_is_dropped(
 
 
 async def test_a_timeout_on_a_non_streaming_call_aborts_it(engine: trio_mlx.Engine) -> None:
-    with trio.move_on_after(0.2) as scope:
-        await engine.generate(PROMPT, max_tokens=900, temperature=0.0)
+    def generating() -> bool:
+        return bool(engine.get_stats()["runner"]["generated_tokens"])
+
+    async def time_out(scope: trio.CancelScope) -> None:
+        await eventually(generating)  # the deadline falls once tokens are coming
+        scope.deadline = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        with trio.CancelScope() as scope:
+            nursery.start_soon(time_out, scope)
+            await engine.generate(PROMPT, max_tokens=900, temperature=0.0)
     assert scope.cancelled_caught
     await wait_until_idle(engine)
     stats = engine.get_stats()

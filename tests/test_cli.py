@@ -23,7 +23,15 @@ async def test_generate_streams_the_greedy_completion(tiny_model_dir: Path) -> N
     async with trio_mlx.open_engine(tiny_model_dir) as engine:
         expected = await engine.generate("Once upon", max_tokens=8, temperature=0.0)
     done = run_cli(
-        "generate", "Once upon", "--model", str(tiny_model_dir), "--max-tokens", "8", "-v"
+        "generate",
+        "Once upon",
+        "--model",
+        str(tiny_model_dir),
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "-v",
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected.text + "\n"

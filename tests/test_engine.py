@@ -76,7 +76,9 @@ async def test_streamed_deltas_add_up_to_the_final_text(engine: trio_mlx.Engine)
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert "".join(o.new_text for o in outputs) == outputs[-1].text
     assert sum(len(o.new_tokens) for o in outputs) == outputs[-1].completion_tokens == 30
-    assert outputs[-1].time_to_first_token is not None and outputs[-1].time_to_first_token > 0
+    final = outputs[-1]
+    assert final.time_to_first_token is not None and final.time_to_first_token > 0
+    assert final.prompt_tps == pytest.approx(final.prompt_tokens / final.time_to_first_token)
 
 
 async def test_stop_string_across_token_boundaries_ends_the_text_before_it(

@@ -13,17 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from prompt_oracle import encode_chat, system_prefix_length
 from trio_mlx.actors.kv_cache import (
     CacheHit,
     PrefixCache,
     StoreDecision,
 )
-from trio_mlx.engine.prompts import (
-    SystemPromptTokens,
-    chat_prompt,
-    encode_chat,
-    system_prefix_length,
-)
+from trio_mlx.engine.prompts import SystemPromptTokens, chat_prompt
 
 BIG = 1 << 40
 

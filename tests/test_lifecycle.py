@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -12,6 +13,7 @@ import trio.testing
 import trio_mlx
 from model_wrappers import FaultyModel, break_the_runner_loop, wrapping_loader
 from trio_mlx.actors.runner import RUNNER_THREAD_NAME
+from trio_mlx.actors.runner_threads import IDLE_THREAD_NAME
 
 PROMPT = "It was a bright cold day in April"
 
@@ -34,13 +36,21 @@ async def test_serve_engine_reports_the_engine_through_task_status(tiny_model_di
     assert not engine.is_alive
 
 
-async def test_the_runner_thread_is_gone_after_the_engine_closes(tiny_model_dir: Path) -> None:
+async def test_the_runner_thread_is_parked_when_the_engine_closes_and_serves_the_next(
+    tiny_model_dir: Path,
+) -> None:
+    """The thread does not exit (MLX's thread-locals must not be torn down: `runner_threads`):
+    it stops running the runner, parks, and the next engine runs on it."""
     async with trio_mlx.open_engine(tiny_model_dir) as engine:
-        assert len(runner_threads()) == 1
+        [thread] = runner_threads()
         await engine.generate(PROMPT, max_tokens=3)
     assert runner_threads() == []
+    assert thread.is_alive() and thread.name == IDLE_THREAD_NAME
     with pytest.raises(trio_mlx.EngineClosed):
         await engine.generate(PROMPT, max_tokens=3)
+    async with trio_mlx.open_engine(tiny_model_dir) as again:
+        assert runner_threads() == [thread]
+        assert (await again.generate(PROMPT, max_tokens=2)).finished
 
 
 async def test_closing_the_engine_ends_streams_in_flight_with_abort(tiny_model_dir: Path) -> None:
@@ -67,8 +77,10 @@ async def test_a_waiter_is_refused_when_the_engine_closes(tiny_model_dir: Path) 
     errors: list[BaseException] = []
 
     async def wait_for_slot(engine: trio_mlx.Engine) -> None:
+        request = engine.prepare_generate(PROMPT, max_tokens=2)  # so that it queues once blocked
         try:
-            await engine.generate(PROMPT, max_tokens=2)
+            async with engine.open_stream(request):
+                pass
         except trio_mlx.EngineClosed as exc:
             errors.append(exc)
 
@@ -151,3 +163,33 @@ async def test_mlx_buffers_are_kept_between_requests_and_freed_once_idle(
                 await trio.sleep(0.05)
         await engine.generate("Once upon a time", max_tokens=8, temperature=0.0)
         assert mx.get_cache_memory() > 0
+
+
+async def test_a_model_load_cancelled_midway_returns_without_waiting_for_it(
+    tiny_model_dir: Path,
+) -> None:
+    """The load (on the runner thread) cannot be interrupted; the caller is not kept waiting
+    for it, and the thread drops the model and parks once the load ends."""
+    from trio_mlx.engine.loading import load_model
+
+    release = threading.Event()
+    load_ended = threading.Event()
+
+    def slow_loader(spec: str | Path | None) -> Any:
+        try:
+            release.wait(timeout=10)  # a load that lasts until the test ends it
+            return load_model(spec)
+        finally:
+            load_ended.set()
+
+    with trio.fail_after(8):
+        with trio.move_on_after(0.5) as scope:
+            async with trio_mlx.open_engine(tiny_model_dir, loader=slow_loader):
+                pytest.fail("the engine cannot have opened")
+    assert scope.cancelled_caught
+    assert not load_ended.is_set()  # returned while the load was still running
+    release.set()
+    await trio.to_thread.run_sync(load_ended.wait)
+    with trio.fail_after(10):
+        while runner_threads():  # noqa: ASYNC110 (a thread's name has no event)
+            await trio.sleep(0.01)

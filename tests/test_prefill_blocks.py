@@ -4,7 +4,6 @@ output is the same token for token as without blocks, with and without prefix-ca
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +128,3 @@ async def test_cache_hits_start_on_a_block_and_change_nothing(tiny_model_dir: Pa
     assert all(o.cached_tokens > 0 for o in cached[1:])
     assert all(o.cached_tokens % BLOCK == 0 for o in cached)
     assert_blocked(recorder.calls, [o.prompt_tokens for o in cached])
-
-
-async def test_the_engine_keeps_many_attention_graphs_unless_told_otherwise(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("MLX_CUDA_SDPA_CACHE_SIZE", raising=False)
-    async with trio_mlx.open_engine(tiny_model_dir):
-        assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "1024"
-    monkeypatch.setenv("MLX_CUDA_SDPA_CACHE_SIZE", "7")
-    async with trio_mlx.open_engine(tiny_model_dir):
-        assert os.environ["MLX_CUDA_SDPA_CACHE_SIZE"] == "7"

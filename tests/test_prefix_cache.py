@@ -19,6 +19,7 @@ import trio
 from mlx_lm.models.cache import KVCache
 
 import trio_mlx
+from idle import wait_until_idle
 from model_wrappers import PausingModel, _Wrapped, wrapping_loader
 from trio_mlx.actors import snapshot_keeper
 from trio_mlx.actors.kv_cache_manager import MIN_DEFAULT_BUDGET, KVCacheManager
@@ -63,12 +64,6 @@ def assert_same_outputs(cached: list[GenerationOutput], plain: list[GenerationOu
     assert [o.tokens for o in cached] == [o.tokens for o in plain]
     assert [o.text for o in cached] == [o.text for o in plain]
     assert [o.finish_reason for o in cached] == [o.finish_reason for o in plain]
-
-
-async def wait_until_idle(engine: trio_mlx.Engine) -> None:
-    with trio.fail_after(10):
-        while engine.get_stats()["runner"]["live_sequences"] or engine.get_stats()["running"]:  # noqa: ASYNC110
-            await trio.sleep(0.002)
 
 
 # ---- equality: cached == uncached --------------------------------------------------------------

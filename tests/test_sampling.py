@@ -271,3 +271,28 @@ async def test_each_rejected_value_names_its_parameter(
     with pytest.raises(trio_mlx.InvalidRequest) as info:
         engine.prepare_generate(PROMPT, **options)
     assert info.value.param == param
+
+
+def test_logits_wider_than_the_vocabulary_still_get_the_bias_and_penalties() -> None:
+    params = SamplingParams(
+        max_tokens=4,
+        temperature=0.0,
+        logit_bias=((3, 50.0),),
+        frequency_penalty=2.0,
+    )
+    selector = TokenSelector(params, vocab_size=8, prompt=[1, 2])
+    logits = mx.zeros((1, 12))  # an output layer padded to 12
+    adjusted = selector.adjust(logits)
+    assert adjusted.shape == (1, 12)
+    assert adjusted[0, 3].item() == 50.0 and adjusted[0, 11].item() == 0.0
+    token = selector.choose(adjusted)
+    assert token.item() == 3
+    again = selector.adjust(logits)
+    assert again[0, 3].item() == 48.0  # the frequency penalty applied to the chosen token
+
+
+def test_logits_narrower_than_the_vocabulary_refuse_the_bias_clearly() -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, logit_bias=((3, 5.0),))
+    selector = TokenSelector(params, vocab_size=8, prompt=[1])
+    with pytest.raises(ValueError, match="fewer than its vocabulary"):
+        selector.adjust(mx.zeros((1, 6)))

@@ -20,12 +20,19 @@ from pathlib import Path
 import trio
 
 from trio_mlx.errors import TrioMLXError
+from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    # The same defaults as the engine API and the HTTP routes (preparation.DEFAULT_*).
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help=f"sampling temperature (default {DEFAULT_TEMPERATURE:g}); 0 is greedy",
+    )
+    parser.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
 

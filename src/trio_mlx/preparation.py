@@ -4,12 +4,21 @@ Tokenizes the prompt (text, token ids, or chat messages through the chat templat
 every sampling option (`InvalidRequest` names the parameter), checks the prompt against the
 model's context (`PromptTooLong`), caps `max_tokens` to the room left, and sets up the logits
 processors (the caller's, plus the thinking budget) and reasoning separation. Tokenizer work only:
-no MLX, runs on the Trio thread, nothing is admitted or generated yet.
+no MLX, nothing is admitted or generated yet.
+
+Where it runs: tokenizing and rendering a chat template cost time in proportion to the prompt
+(seconds for a body of a few MiB), so the engine runs them on a worker thread
+(`Engine.prepare_*_async`); before that, `check_text_length` refuses on the calling thread, in
+time proportional to nothing but the number of strings, a text that cannot fit the context
+whatever its tokens. One `RequestPreparer` is used by one thread at a time (a lock: its
+system-prompt cache is shared state, and a Hugging Face tokenizer is not promised to be
+re-entrant).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
@@ -95,6 +104,30 @@ class RequestPreparer:
         self.context_length = context_length
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
+        self.longest_token_chars = longest_token_chars(tokenizer)
+        self._lock = threading.Lock()
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, a text of `chars` characters that cannot fit the context:
+        no token covers more than `longest_token_chars` characters, so such a text has more
+        than `context_length` tokens whatever they are. Cheap: no tokenizer call."""
+        if chars > self.longest_token_chars * self.context_length:
+            raise PromptTooLong(
+                f"the prompt has {chars} characters, more than this model's context of "
+                f"{self.context_length} tokens can hold (at most {self.longest_token_chars} "
+                "characters a token)",
+                param=param,
+            )
+
+    def check_chat_length(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """`check_text_length` for chat messages: their text contents, summed (the rendered
+        prompt contains them all)."""
+        chars = 0
+        if isinstance(messages, Sequence) and not isinstance(messages, str | bytes):
+            for message in messages:
+                if isinstance(message, Mapping):
+                    chars += _content_chars(message.get("content"))
+        self.check_text_length(chars, "messages")
 
     def text(
         self,
@@ -107,10 +140,13 @@ class RequestPreparer:
         options: SamplingOptions,
     ) -> PreparedRequest:
         if isinstance(prompt, str):
-            tokens = encode_text(self.tokenizer, prompt)
-        else:
-            tokens = check_token_ids(prompt, self.vocab_size)
-        return self._prepare(tokens, "prompt", max_tokens, temperature, top_p, stop, options)
+            self.check_text_length(len(prompt), "prompt")
+        with self._lock:
+            if isinstance(prompt, str):
+                tokens = encode_text(self.tokenizer, prompt)
+            else:
+                tokens = check_token_ids(prompt, self.vocab_size)
+            return self._prepare(tokens, "prompt", max_tokens, temperature, top_p, stop, options)
 
     def chat(
         self,
@@ -126,17 +162,19 @@ class RequestPreparer:
         find_system_prefix: bool = False,
     ) -> PreparedRequest:
         """With `find_system_prefix`, the request also carries `system_prefix` (see there)."""
-        prompt = chat_prompt(
-            self.tokenizer,
-            messages,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-            find_system_prefix=find_system_prefix,
-            known_systems=self.known_systems if find_system_prefix else None,
-        )
-        request = self._prepare(
-            prompt.tokens, "messages", max_tokens, temperature, top_p, stop, options
-        )
+        self.check_chat_length(messages)
+        with self._lock:
+            prompt = chat_prompt(
+                self.tokenizer,
+                messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                find_system_prefix=find_system_prefix,
+                known_systems=self.known_systems if find_system_prefix else None,
+            )
+            request = self._prepare(
+                prompt.tokens, "messages", max_tokens, temperature, top_p, stop, options
+            )
         if prompt.system_prefix is None:
             return request
         return dataclasses.replace(request, system_prefix=prompt.system_prefix)
@@ -248,3 +286,30 @@ class RequestPreparer:
             prompt_length=len(tokens),
             open_in_prompt=tags.open_in_prompt,
         )
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters any one token of `tokenizer` stands for: the longest entry of its
+    vocabulary (a byte-level BPE entry has a character per byte, at least as many as the text it
+    covers; a SentencePiece piece one per character). At least 1; 64 when the vocabulary cannot
+    be read (a bound no real tokenizer's words reach, but a large one)."""
+    vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        words = vocab() if callable(vocab) else None
+    except Exception:
+        words = None
+    if not words:
+        return 64
+    return max(1, max(len(word) for word in words if isinstance(word, str)))
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, Sequence) and not isinstance(content, bytes):
+        total = 0
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                total += len(part["text"])
+        return total
+    return 0

@@ -9,6 +9,12 @@ from typing import Literal
 
 from trio_mlx.errors import InvalidRequest
 
+#: The sampling defaults of every surface — the engine API, the HTTP routes, `trio-mlx generate`
+#: — when a request names none: OpenAI's (its API documents temperature 1 and top_p 1). Greedy
+#: decoding is `temperature=0`, asked for explicitly.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -158,7 +164,8 @@ class GenerationOutput:
     time_to_first_token: float | None = None
     #: Decode speed after the first token, tokens per second (set on the final output).
     generation_tps: float | None = None
-    #: Prompt tokens per second (set once the first token is out).
+    #: Prompt tokens prefilled (not restored from the cache) per second of `time_to_first_token`
+    #: (set with it; the time includes admission and any queueing before the prefill).
     prompt_tps: float | None = None
     #: Per-token log-probabilities when the request asked for them: all so far, and this step's.
     logprobs: list[TokenLogprob] | None = None

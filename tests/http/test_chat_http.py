@@ -205,10 +205,10 @@ async def test_streamed_logprobs_cover_every_token(http: httpx.AsyncClient) -> N
 
 def test_delta_chunks_are_the_bytes_the_models_build() -> None:
     """The per-token fast path (`_delta_chunk`) writes what `ChatCompletionChunk` would."""
-    from trio_mlx.http.chat import _Reply
+    from trio_mlx.http.chat import _ChatReply
     from trio_mlx.http.objects import ChatDelta
 
-    reply = _Reply('chatcmpl-"q"', 1_700_000_000, 'tiny "alias" é', text=None)  # type: ignore[arg-type]
+    reply = _ChatReply('chatcmpl-"q"', 1_700_000_000, 'tiny "alias" é', text=None)  # type: ignore[arg-type]
     for role, content, reasoning in [
         (True, "Hello", ""),
         (False, ' "quoted" \\ \n tab\t', ""),

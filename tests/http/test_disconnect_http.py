@@ -4,16 +4,16 @@ its generation at the next step boundary and frees the engine for the next reque
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
-from typing import Any
 
 import httpx
 import trio
 from websockets.sync.client import connect
 
+from idle import wait_until_idle
 from model_wrappers import GatedModel, wrapping_loader
-from servers import running_server
-from trio_mlx.actors.engine import Engine
+from servers import eventually, running_server
 from trio_mlx.http.server import RunningServer
 
 CHAT = "/v1/chat/completions"
@@ -24,18 +24,9 @@ LONG = {
 }
 
 
-async def wait_idle(engine: Engine) -> dict[str, Any]:
-    """Stats once nothing runs; fails if the engine is still busy after a few seconds."""
-    with trio.fail_after(10):
-        while True:
-            stats = engine.get_stats()
-            runner = stats["runner"]
-            if (
-                stats["running"] == 0
-                and runner["requests_in_flight"] == runner["live_sequences"] == 0
-            ):
-                return stats
-            await trio.sleep(0.005)
+async def cancel_when_held(held: threading.Event, scope: trio.CancelScope) -> None:
+    await trio.to_thread.run_sync(held.wait, 10.0)
+    scope.cancel()
 
 
 async def next_request_runs(http: httpx.AsyncClient) -> None:
@@ -57,7 +48,7 @@ async def test_disconnect_mid_decode_streaming(server: RunningServer) -> None:
                     seen += 1
                     if seen == 3:
                         break
-        stats = await wait_idle(engine)
+        stats = await wait_until_idle(engine)
         assert stats["runner"]["aborted"] == before["aborted"] + 1
         generated = stats["runner"]["generated_tokens"] - before["generated_tokens"]
         assert generated < 900, "the generation stopped well before max_tokens"
@@ -74,14 +65,18 @@ async def test_disconnect_mid_prefill_streaming_and_not(tiny_model_dir: Path) ->
         for stream in (True, False):
             before = engine.get_stats()["runner"]
             gate.clear()  # the runner blocks inside the first prefill chunk
+            made[0].held.clear()
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
                 body = {**LONG, "stream": stream}
-                with trio.move_on_after(0.5) as waited:
-                    await http.post(CHAT, json=body)
+                async with trio.open_nursery() as nursery:
+                    with trio.CancelScope() as waited:
+                        # The client goes away once the runner is inside the prefill chunk.
+                        nursery.start_soon(cancel_when_held, made[0].held, waited)
+                        await http.post(CHAT, json=body)
                 assert waited.cancelled_caught, "the request was still in prefill"
             # The client has gone; let the runner finish the step it is in.
             gate.set()
-            stats = await wait_idle(engine)
+            stats = await wait_until_idle(engine)
             assert stats["runner"]["aborted"] == before["aborted"] + 1
             assert stats["runner"]["generated_tokens"] == before["generated_tokens"]
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
@@ -93,9 +88,22 @@ async def test_disconnect_non_streaming_mid_decode(server: RunningServer) -> Non
     assert engine is not None
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
         before = engine.get_stats()["runner"]
-        with trio.move_on_after(0.3):
-            await http.post(CHAT, json=LONG)
-        stats = await wait_idle(engine)
+
+        def decoding() -> bool:
+            return bool(
+                engine.get_stats()["runner"]["generated_tokens"] > before["generated_tokens"]
+            )
+
+        async def go_away(scope: trio.CancelScope) -> None:
+            await eventually(decoding)  # the client leaves once tokens are being generated
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as scope:
+                nursery.start_soon(go_away, scope)
+                await http.post(CHAT, json=LONG)
+        assert scope.cancelled_caught
+        stats = await wait_until_idle(engine)
         assert stats["runner"]["aborted"] == before["aborted"] + 1
         assert stats["runner"]["generated_tokens"] - before["generated_tokens"] < 900
         await next_request_runs(http)
@@ -126,7 +134,7 @@ async def test_websocket_close_aborts_the_response(server: RunningServer) -> Non
         return deltas
 
     assert await trio.to_thread.run_sync(session) == 3
-    stats = await wait_idle(engine)
+    stats = await wait_until_idle(engine)
     assert stats["runner"]["aborted"] == before["aborted"] + 1
     assert stats["runner"]["generated_tokens"] - before["generated_tokens"] < 900
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:

@@ -6,6 +6,7 @@ import re
 
 import httpx
 
+from servers import eventually
 from trio_mlx.http.server import RunningServer
 
 CHAT = "/v1/chat/completions"
@@ -30,6 +31,8 @@ async def test_metrics_count_requests(http: httpx.AsyncClient) -> None:
     text = response.text
     assert sample(text, "generation_tokens_total") - sample(before, "generation_tokens_total") == 10
     assert sample(text, "request_success_total", 'finished_reason="length"') >= 2
+    assert 'request_success_total{model_name="tiny",finished_reason="abort"' not in text
+    assert sample(text, "request_aborted_total") == sample(before, "request_aborted_total")
     assert sample(text, "e2e_request_latency_seconds_count") >= 2
     assert sample(text, "time_to_first_token_seconds_bucket", 'le="+Inf"') >= 2
     assert "# TYPE trio_mlx:inter_token_latency_seconds histogram" in text
@@ -59,3 +62,23 @@ async def test_cached_prefix_is_reported_and_clearable(
     cold = (await http.post(CHAT, json=body)).json()
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert cold["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+async def test_an_aborted_request_is_counted_as_aborted_not_as_a_success(
+    http: httpx.AsyncClient,
+) -> None:
+    before = (await http.get("/metrics")).text
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}
+    async with http.stream("POST", CHAT, json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                break  # the client goes away after the first chunk
+
+    async def counted() -> bool:
+        text = (await http.get("/metrics")).text
+        return sample(text, "request_aborted_total") == sample(before, "request_aborted_total") + 1
+
+    await eventually(counted)
+    text = (await http.get("/metrics")).text
+    assert 'finished_reason="abort"' not in text
+    assert sample(text, "request_failed_total") == 0

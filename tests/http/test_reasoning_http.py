@@ -1,5 +1,7 @@
-"""`reasoning_content` on /v1/chat/completions for a model whose tokenizer has thinking tags,
-streaming and not, and `chat_template_kwargs` / `thinking_token_budget` reaching the engine."""
+"""`reasoning_content` on /v1/chat/completions: in the answer, for a model whose tokenizer has
+thinking tags, streaming and not; in an earlier assistant turn, rendered by a template that takes
+it and refused (never dropped) by one that does not; `chat_template_kwargs` reaching the template
+and `thinking_token_budget` validated."""
 
 from __future__ import annotations
 
@@ -62,8 +64,62 @@ async def test_reasoning_content_streaming_and_not(tiny_model_dir: Path) -> None
         )
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "thinking_token_budget"
-        kwargs = await http.post(
-            "/v1/chat/completions",
-            json={**body, "chat_template_kwargs": {"enable_thinking": False}},
-        )
-        assert kwargs.status_code == 200
+
+
+#: A chat template that renders earlier turns' reasoning and a `mood` keyword.
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if mood %}mood: {{ mood }}\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TURNS = [
+    {"role": "user", "content": "Capital of France?"},
+    {"role": "assistant", "content": "Paris.", "reasoning_content": "It is Paris, surely."},
+    {"role": "user", "content": "And of Italy?"},
+]
+
+
+def template_loader(spec: str | Path | None) -> LoadedModel:
+    loaded = load_model(spec)
+    loaded.tokenizer._tokenizer.chat_template = REASONING_TEMPLATE
+    return loaded
+
+
+async def test_earlier_reasoning_is_refused_when_the_template_would_drop_it(
+    tiny_model_dir: Path,
+) -> None:
+    async with (
+        running_server(tiny_model_dir) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        reply = await http.post("/v1/chat/completions", json={"messages": TURNS, "max_tokens": 2})
+        assert reply.status_code == 400
+        error = reply.json()["error"]
+        assert error["param"] == "messages[1].reasoning_content"
+        assert "does not render reasoning" in error["message"]
+
+
+async def test_earlier_reasoning_and_template_kwargs_reach_a_template_that_takes_them(
+    tiny_model_dir: Path,
+) -> None:
+    async def prompt_tokens(http: httpx.AsyncClient, messages: Any, **extra: Any) -> int:
+        body = {"messages": messages, "max_tokens": 1, "temperature": 0, **extra}
+        reply = await http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        return int(reply.json()["usage"]["prompt_tokens"])
+
+    probe = template_loader(tiny_model_dir).tokenizer
+    reasoning = probe.encode("<think>It is Paris, surely.</think>", add_special_tokens=False)
+    mood = probe.encode("mood: calm\n", add_special_tokens=False)
+    plain = [dict(m) for m in TURNS]
+    del plain[1]["reasoning_content"]
+    async with (
+        running_server(tiny_model_dir, loader=template_loader) as server,
+        httpx.AsyncClient(base_url=server.url, timeout=30) as http,
+    ):
+        without = await prompt_tokens(http, plain)
+        assert await prompt_tokens(http, TURNS) == without + len(reasoning)
+        calm = await prompt_tokens(http, plain, chat_template_kwargs={"mood": "calm"})
+        assert calm == without + len(mood)

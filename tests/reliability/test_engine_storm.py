@@ -17,22 +17,13 @@ import pytest
 import trio
 
 import trio_mlx
+from idle import idle_problems, wait_until_idle
 from trio_mlx.actors.runner import RUNNER_THREAD_NAME
 
 
 def assert_nothing_held(engine: trio_mlx.Engine) -> None:
-    stats = engine.get_stats()
-    assert stats["running"] == 0
-    assert stats["waiting"] == 0
-    assert stats["runner"]["live_sequences"] == 0
-    assert stats["runner"]["requests_in_flight"] == 0
+    assert idle_problems(engine) == []
     assert [t.name for t in threading.enumerate()].count(RUNNER_THREAD_NAME) == 1
-
-
-async def wait_idle(engine: trio_mlx.Engine) -> None:
-    with trio.fail_after(30):
-        while engine.get_stats()["runner"]["live_sequences"]:  # noqa: ASYNC110
-            await trio.sleep(0.005)
 
 
 @pytest.mark.parametrize("admission", ["fail-fast", "wait"])
@@ -97,7 +88,7 @@ async def test_an_abandonment_storm_leaves_nothing_behind(
                     nursery.start_soon(client)
                     if i % 7 == 0:
                         await trio.sleep(0.001 * rng.random())
-        await wait_idle(engine)
+        await wait_until_idle(engine, limit=30)
         assert sum(outcomes.values()) == requests
         stats = engine.get_stats()
         # The storm did abandon requests while they were running, not only before admission.

@@ -17,30 +17,16 @@ import pytest
 import trio
 from websockets.sync.client import connect
 
+from idle import wait_until_idle
 from model_wrappers import FaultyModel, break_the_runner_loop, wrapping_loader
 from servers import running_server
 from sse import chunks
-from trio_mlx.actors.engine import Engine
 
 CHAT = "/v1/chat/completions"
 
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-async def wait_idle(engine: Engine) -> dict[str, Any]:
-    with trio.fail_after(30):
-        for _ in range(6000):
-            stats = engine.get_stats()
-            runner = stats["runner"]
-            if (
-                stats["running"] == stats["waiting"] == 0
-                and runner["live_sequences"] == runner["requests_in_flight"] == 0
-            ):
-                return stats
-            await trio.sleep(0.005)
-    raise AssertionError("the engine did not go idle")
 
 
 def words(rng: random.Random) -> str:
@@ -124,7 +110,7 @@ async def test_disconnect_storm_over_http_and_websocket(
                 for i in range(clients):
                     nursery.start_soon(socket_client if i % 5 == 4 else http_client, i)
                     await trio.sleep(0.002 * rng.random())
-        stats = await wait_idle(engine)
+        stats = await wait_until_idle(engine, limit=30)
         assert sum(outcomes.values()) == clients
         assert outcomes.get("abandoned", 0) > 0 and stats["runner"]["aborted"] > 0
         assert stats["busy_rejections"] == 0  # wait mode: everyone was queued, nobody refused
@@ -135,7 +121,7 @@ async def test_disconnect_storm_over_http_and_websocket(
                 )
             assert reply.json()["usage"]["completion_tokens"] == 3
             assert (await http.get("/health")).status_code == 200
-        await wait_idle(engine)
+        await wait_until_idle(engine, limit=30)
         # Every connection the storm opened is closed again (a little slack for the log).
         with trio.fail_after(10):
             for _ in range(1000):
@@ -185,7 +171,7 @@ async def test_overload_gets_200_or_429_never_5xx(
             async with trio.open_nursery() as nursery:
                 for i in range(clients):
                     nursery.start_soon(client, i)
-        await wait_idle(engine)
+        await wait_until_idle(engine, limit=30)
     assert len(statuses) == clients
     assert set(statuses) <= {200, 429}
     assert 200 in statuses
@@ -286,7 +272,7 @@ async def test_a_tokenizer_that_fails_to_decode_fails_one_request(tiny_model_dir
         assert payloads[-2] == "data: [DONE]" and payloads.count("data: [DONE]") == 1
         error = json.loads(payloads[-3][len("data: ") :])["error"]
         assert error["code"] == "generation_error" and "decod" in error["message"]
-        await wait_idle(engine)
+        await wait_until_idle(engine, limit=30)
         ok = await http.post("/v1/completions", json={**body, "stream": False})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 12
         assert (await http.get("/health")).status_code == 200

@@ -1,5 +1,6 @@
-"""SIGTERM with many streams in flight (running and queued): every stream ends well-framed within
-the shutdown timeout, and the process exits 0."""
+"""SIGTERM with many streams in flight (one running, the others queued: checked through
+`/v1/status` before the signal): every stream ends well-framed within the shutdown timeout, and
+the process exits 0."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ import httpx
 
 from servers import serve_process
 from sse import chunks
+
+
+def all_in_flight(url: str, clients: int) -> dict[str, int]:
+    """`/v1/status` once all `clients` requests have been admitted or queued and one still runs
+    (bounded: a few seconds)."""
+    with httpx.Client(base_url=url, timeout=10) as http:
+        for _ in range(1000):
+            stats = http.get("/v1/status").json()
+            if stats["admitted"] + stats["waiting"] >= clients and stats["running"] == 1:
+                return {k: stats[k] for k in ("running", "waiting", "admitted")}
+            time.sleep(0.005)
+    raise AssertionError(f"the {clients} requests never were all in flight: {stats}")
 
 
 def test_sigterm_under_load_drains_every_stream(tiny_model_dir: Path, long_run: bool) -> None:
@@ -29,7 +42,7 @@ def test_sigterm_under_load_drains_every_stream(tiny_model_dir: Path, long_run: 
         started = threading.Barrier(clients + 1, timeout=60)
 
         def client(i: int) -> None:
-            body = {"prompt": f"client {i}", "max_tokens": 60, "stream": True}
+            body = {"prompt": f"client {i}", "max_tokens": 120, "stream": True}
             with httpx.Client(base_url=url, timeout=120) as http:
                 started.wait()
                 response = http.post("/v1/completions", json=body)
@@ -39,7 +52,9 @@ def test_sigterm_under_load_drains_every_stream(tiny_model_dir: Path, long_run: 
         for thread in threads:
             thread.start()
         started.wait()
-        time.sleep(0.3)  # some streams are running, the others queued
+        # SIGTERM once every client is in flight: one stream running, the others queued.
+        in_flight = all_in_flight(url, clients)
+        assert in_flight["running"] == 1 and in_flight["waiting"] >= 1, in_flight
         began = time.monotonic()
         process.send_signal(signal.SIGTERM)
         for thread in threads:

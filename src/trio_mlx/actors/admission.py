@@ -1,9 +1,10 @@
 """Admission control: who may generate now, who waits, who is refused.
 
-The seed's serialized route: one generation at a time (`slots=1`). A request that finds every slot
-taken is either refused at once with `EngineBusy` (`mode="fail-fast"`, the default) or waits in a
-bounded FIFO queue (`mode="wait"`, at most `max_waiting` waiters, each for at most `max_wait`
-seconds) and is refused when the queue is full or its wait runs out.
+The serialized route of vllm-mlx's `SimpleEngine` contract: one generation at a time
+(`slots=1`). A request that finds every slot taken is either refused at once with `EngineBusy`
+(`mode="fail-fast"`, the default) or waits in a bounded FIFO queue (`mode="wait"`, at most
+`max_waiting` waiters, each for at most `max_wait` seconds) and is refused when the queue is
+full or its wait runs out.
 
 `AdmissionBook` is the state and its rules, plain and synchronous (testable without Trio);
 `AdmissionController` adds the waiting. A `Lease` frees its slot with a synchronous, idempotent

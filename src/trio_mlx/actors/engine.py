@@ -1,8 +1,13 @@
 """`Engine`: the public face of a running engine, handed out by `open_engine`.
 
 A request goes through three stages, each of which can refuse it before anything is generated:
-1. `prepare_generate` / `prepare_chat` (synchronous): tokenize, validate the sampling parameters,
-   check the prompt against the context (`InvalidRequest`, `PromptTooLong`);
+1. `prepare_generate_async` / `prepare_chat_async`: tokenize (and render the chat template) on a
+   worker thread behind a `CapacityLimiter(1)`, after a length check on the caller's thread
+   that refuses a text too long for the context without tokenizing it; validate the sampling
+   parameters, check the prompt against the context (`InvalidRequest`, `PromptTooLong`).
+   `prepare_generate` / `prepare_chat` are the same work, synchronous, on the calling thread
+   (a long prompt holds the event loop for its tokenization, and for any tokenization in
+   progress on the worker, which the preparer's lock serializes: prefer the async forms);
 2. `open_stream` (async context manager): admission (`EngineBusy`, `EngineClosed`), then the job
    goes to the runner and a `RequestStream` comes back;
 3. iterating the stream: `GenerationOutput`s until one has `finished=True`.
@@ -11,7 +16,9 @@ Leaving `open_stream`'s block for any reason (done, cancelled, an exception, `br
 runner's work for the request at its next step boundary and frees the admission slot, both with
 synchronous calls in `finally`, so it also happens inside a cancelled scope.
 
-`generate`, `stream_generate`, `chat` and `stream_chat` are the seed's convenience API on top.
+`generate`, `stream_generate`, `chat` and `stream_chat` are the convenience API on top (the
+vllm-mlx `SimpleEngine` surface); they prepare through the async forms. Sampling defaults are
+`DEFAULT_TEMPERATURE` / `DEFAULT_TOP_P` (OpenAI's 1.0 / 1.0), the same on every surface.
 
 Prefix KV cache: requests whose prompt starts with tokens already computed (a shared system
 prompt, the previous turn of a conversation, a retry) prefill only the new tokens; see
@@ -28,6 +35,8 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Unpack
 
+import trio
+
 from trio_mlx.actors.admission import AdmissionController
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo
@@ -40,7 +49,7 @@ from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError
 from trio_mlx.preparation import PreparedRequest, ReasoningTags, RequestPreparer, SamplingOptions
 from trio_mlx.text.detokenizer import decoder_for
 from trio_mlx.text.reasoning import ReasoningSplitter
-from trio_mlx.types import GenerationOutput
+from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationOutput
 
 
 class Engine:
@@ -68,6 +77,8 @@ class Engine:
             default_max_tokens=config.default_max_tokens,
             max_tokens_limit=config.max_tokens_limit,
         )
+        #: One tokenization at a time, off the event loop (see `prepare_chat_async`).
+        self._tokenizing = trio.CapacityLimiter(1)
         self._request_ids = itertools.count(1)
         self._closed = False
         self._started_at = time.monotonic()
@@ -105,8 +116,8 @@ class Engine:
         prompt: str | Sequence[int],
         *,
         max_tokens: int | None = None,
-        temperature: float = 0.7,
-        top_p: float = 0.9,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
         stop: str | Sequence[str] | None = None,
         **options: Unpack[SamplingOptions],
     ) -> PreparedRequest:
@@ -125,8 +136,8 @@ class Engine:
         messages: Sequence[Mapping[str, Any]],
         *,
         max_tokens: int | None = None,
-        temperature: float = 0.7,
-        top_p: float = 0.9,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
         stop: str | Sequence[str] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -148,6 +159,67 @@ class Engine:
             chat_template_kwargs=chat_template_kwargs,
             options=options,
             find_system_prefix=self._kv_cache.enabled,
+        )
+
+    async def prepare_generate_async(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        stop: str | Sequence[str] | None = None,
+        **options: Unpack[SamplingOptions],
+    ) -> PreparedRequest:
+        """`prepare_generate` with the tokenization on a worker thread: the event loop (every
+        other stream, `/health`) never waits for it. A text that cannot fit the context is
+        refused first, without tokenizing. Cancelling the caller abandons the tokenization
+        (the worker finishes it and its result is dropped; the next one waits for it)."""
+        if isinstance(prompt, str):
+            self._preparer.check_text_length(len(prompt), "prompt")
+        return await trio.to_thread.run_sync(
+            partial(
+                self.prepare_generate,
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                **options,
+            ),
+            limiter=self._tokenizing,
+            abandon_on_cancel=True,
+        )
+
+    async def prepare_chat_async(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        stop: str | Sequence[str] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **options: Unpack[SamplingOptions],
+    ) -> PreparedRequest:
+        """`prepare_chat` with the chat template and the tokenization on a worker thread (see
+        `prepare_generate_async`)."""
+        self._preparer.check_chat_length(messages)
+        return await trio.to_thread.run_sync(
+            partial(
+                self.prepare_chat,
+                messages,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                **options,
+            ),
+            limiter=self._tokenizing,
+            abandon_on_cancel=True,
         )
 
     # ---- stage 2: admit and run -------------------------------------------------------------
@@ -223,43 +295,48 @@ class Engine:
         if final is not None:
             self._last = final
 
-    # ---- the seed's API ----------------------------------------------------------------------
+    # ---- the convenience API ---------------------------------------------------------------------
 
     def stream_generate(
         self,
         prompt: str | Sequence[int],
         max_tokens: int | None = None,
-        temperature: float = 0.7,
-        top_p: float = 0.9,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
         stop: str | Sequence[str] | None = None,
         **options: Unpack[SamplingOptions],
     ) -> GenerationStream:
         """Stream a completion of `prompt` (text, or token ids): `async for out in ...`.
 
-        Validation errors raise here; admission happens on the first iteration. Dropping the
-        stream early (break, `aclose()`, cancellation) aborts the request.
+        Preparation (off the event loop) and admission happen on the first iteration, so
+        validation errors and refusals raise there. Dropping the stream early (break,
+        `aclose()`, cancellation) aborts the request.
         """
-        request = self.prepare_generate(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            **options,
-        )
-        return GenerationStream(partial(self.start_request, request))
+
+        async def start() -> ActiveRequest:
+            request = await self.prepare_generate_async(
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                **options,
+            )
+            return await self.start_request(request)
+
+        return GenerationStream(start)
 
     async def generate(
         self,
         prompt: str | Sequence[int],
         max_tokens: int | None = None,
-        temperature: float = 0.7,
-        top_p: float = 0.9,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
         stop: str | Sequence[str] | None = None,
         **options: Unpack[SamplingOptions],
     ) -> GenerationOutput:
         """The whole completion of `prompt`. Raises `GenerationError` if the model failed."""
-        request = self.prepare_generate(
+        request = await self.prepare_generate_async(
             prompt,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -273,8 +350,8 @@ class Engine:
         self,
         messages: Sequence[Mapping[str, Any]],
         max_tokens: int | None = None,
-        temperature: float = 0.7,
-        top_p: float = 0.9,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
         stop: str | Sequence[str] | None = None,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -282,24 +359,28 @@ class Engine:
         **options: Unpack[SamplingOptions],
     ) -> GenerationStream:
         """Stream the assistant's reply to `messages` (see `stream_generate`)."""
-        request = self.prepare_chat(
-            messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-            **options,
-        )
-        return GenerationStream(partial(self.start_request, request))
+
+        async def start() -> ActiveRequest:
+            request = await self.prepare_chat_async(
+                messages,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                **options,
+            )
+            return await self.start_request(request)
+
+        return GenerationStream(start)
 
     async def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         max_tokens: int | None = None,
-        temperature: float = 0.7,
-        top_p: float = 0.9,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
         stop: str | Sequence[str] | None = None,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -307,7 +388,7 @@ class Engine:
         **options: Unpack[SamplingOptions],
     ) -> GenerationOutput:
         """The assistant's whole reply. Raises `GenerationError` if the model failed."""
-        request = self.prepare_chat(
+        request = await self.prepare_chat_async(
             messages,
             max_tokens=max_tokens,
             temperature=temperature,

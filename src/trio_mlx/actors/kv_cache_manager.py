@@ -1,26 +1,30 @@
 """The kv_cache actor: the book of cached prefixes (`PrefixCache`) and the decision whether a model
-takes part in prefix caching at all, on the Trio thread.
+takes part in prefix caching at all.
 
-The snapshots themselves (MLX arrays) stay on the runner thread, in the runner's own dict keyed by
-the book's entry ids. Every change to the book is made *by the runner*, through
-`trio.from_thread.run_sync(manager.<method>, ...)`, at the moment the runner changes its dict:
+The snapshots themselves (MLX arrays) stay on the runner thread, in the `SnapshotKeeper`'s dict
+keyed by the book's entry ids. Every change to the book is made *by the runner thread*, with a
+direct call, at the moment the runner changes its dict:
 - `plan(prompt)` before a prefill: the hit to restore (or None);
 - `stored(...)` right after it took a snapshot: the book's decision (keep it under which id, which
   ids to drop), applied to the dict before the runner does anything else;
 - `forget(entry_id)` when a hit's snapshot cannot be restored (the runner then prefills in full);
 - `clear()` when the runner drops every snapshot (`Engine.clear_runtime_caches`).
-Because these are synchronous calls the runner waits for, the book and the runner's dict change
-in lockstep: a lookup never names a snapshot the runner has not got, and a snapshot is entered in
-the book only once it is complete (a prefill cancelled half way leaves nothing behind). The
-runner reports a stored snapshot before it delivers the events of that step, so a client that
-has seen a request finish always finds that request's final entry in the book.
+The runner never waits for the event loop to consult the book: the book is guarded by a
+`threading.Lock`, and every method holding it is short synchronous work (a radix-tree walk, a
+few dict updates) with no I/O and no `await`, so the longest the runner can wait is one such
+call made by the Trio thread (`statistics`, `store_points`). Because the runner changes the book
+and its dict together, a lookup never names a snapshot the runner has not got, and a snapshot is
+entered in the book only once it is complete (a prefill cancelled half way leaves nothing
+behind). The runner stores a request's final snapshot before it delivers that request's finish,
+so a client that has seen a request finish always finds its final entry in the book.
 
-The methods are plain synchronous calls (atomic under Trio); reading the statistics from any task
-is safe.
+From the Trio thread: `store_points` (when a job is built), `statistics()` (any task), and
+`clear()` once the runner no longer serves.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +53,7 @@ class KVCacheManager:
     snapshot-able (`support.supported`); when disabled every request runs uncached, and the
     runner never calls in. `exact_prompt_limit` (see `prompt_cache.chunking_exact_limit`): longer
     prompts are neither looked up nor stored, since their output would depend on where the
-    prefill was split; they count as `bypassed`.
+    prefill was split; they count as `bypassed`. Thread-safe (see the module docstring).
     """
 
     def __init__(
@@ -63,7 +67,8 @@ class KVCacheManager:
         self.support = support
         self.exact_prompt_limit = exact_prompt_limit
         self.budget_source = budget_source
-        self.book = PrefixCache(budget_bytes)
+        self._prefixes = PrefixCache(budget_bytes)
+        self._lock = threading.Lock()
         self.enabled = budget_bytes > 0 and support.supported
         self.bypassed = 0
         self.restore_failures = 0
@@ -89,17 +94,18 @@ class KVCacheManager:
             raise ValueError(f"cache_memory_bytes must be >= 0, got {cache_memory_bytes}")
         return cls(cache_memory_bytes, support, exact_prompt_limit=exact_prompt_limit)
 
-    # ---- called by the runner thread (through trio.from_thread.run_sync) ------------------
+    # ---- called by the runner thread, directly ------------------------------------------
 
     def plan(self, prompt_tokens: Sequence[int], align: int = 1) -> CacheHit | None:
         """The cached prefix to restore before prefilling `prompt_tokens`, or None; with
         `align`, a trimmable prefix ends on a multiple of it (`PrefixCache.lookup`)."""
         if not self.enabled:
             return None
-        if not self.accepts(len(prompt_tokens)):
-            self.bypassed += 1
-            return None
-        return self.book.lookup(prompt_tokens, align)
+        with self._lock:
+            if not self.accepts(len(prompt_tokens)):
+                self.bypassed += 1
+                return None
+            return self._prefixes.lookup(prompt_tokens, align)
 
     def store_points(self, prompt_length: int, system_prefix: int | None) -> tuple[int, ...]:
         """Prompt lengths at which the runner should snapshot during prefill: the chat's
@@ -121,24 +127,31 @@ class KVCacheManager:
         self, tokens: Sequence[int], nbytes: int, kind: CacheKind, trimmable: bool
     ) -> StoreDecision:
         """The runner holds a new snapshot of `tokens`: the book's decision about it."""
-        return self.book.store(tokens, nbytes, kind, trimmable)
+        with self._lock:
+            return self._prefixes.store(tokens, nbytes, kind, trimmable)
 
     def forget(self, entry_id: int) -> None:
         """A hit's snapshot could not be restored: drop the entry (the request ran uncached)."""
-        self.restore_failures += 1
-        self.book.remove(entry_id)
+        with self._lock:
+            self.restore_failures += 1
+            self._prefixes.remove(entry_id)
 
     def clear(self) -> tuple[int, int]:
         """Empty the book; returns (entries, bytes) it held. Counters are kept."""
-        entries, nbytes = len(self.book), self.book.nbytes
-        self.book.clear()
-        return entries, nbytes
+        with self._lock:
+            entries, nbytes = len(self._prefixes), self._prefixes.nbytes
+            self._prefixes.clear()
+            return entries, nbytes
 
     # ---- read by anyone -------------------------------------------------------------------
 
     def statistics(self) -> dict[str, Any]:
-        """JSON-serialisable counters and facts (what `Engine.get_cache_stats()` returns)."""
-        s = self.book.statistics()
+        """JSON-serialisable counters and facts (what `Engine.get_cache_stats()` returns), all
+        of one moment."""
+        with self._lock:
+            s = self._prefixes.statistics()
+            by_kind = dict(Counter(e.kind for e in self._prefixes.entries()))
+            bypassed, restore_failures = self.bypassed, self.restore_failures
         support = self.support
         return {
             "enabled": self.enabled,
@@ -148,7 +161,7 @@ class KVCacheManager:
             "cache_types": dict(Counter(support.layer_types)),
             "exact_prompt_limit": self.exact_prompt_limit,
             "entries": s.entries,
-            "entries_by_kind": dict(Counter(e.kind for e in self.book.entries())),
+            "entries_by_kind": by_kind,
             "bytes": s.bytes,
             "budget_bytes": s.budget,
             "budget_source": self.budget_source,
@@ -161,6 +174,6 @@ class KVCacheManager:
             "refused": s.refused,
             "evictions": s.evictions,
             "superseded": s.superseded,
-            "bypassed": self.bypassed,
-            "restore_failures": self.restore_failures,
+            "bypassed": bypassed,
+            "restore_failures": restore_failures,
         }

@@ -32,6 +32,11 @@ class ActiveRequest:
         self._token = trio.lowlevel.current_trio_token()
         self._thread = threading.get_ident()
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` has run."""
+        return self._on_close is None
+
     def close(self) -> None:
         """Abort (if still running) and release everything. Idempotent, synchronous."""
         on_close, self._on_close = self._on_close, None

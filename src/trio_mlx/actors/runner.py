@@ -11,10 +11,12 @@ Protocol:
   hop. While it has no work the thread parks on a `threading.Event`; a stop request (the `run`
   task cancelled: the engine is closing) wakes it, and while busy it checks for one before each
   step.
-- runner -> Trio: after each step, one `StepEvent` with every live request's new tokens, finishes
-  and errors, handed over with `TrioToken.run_sync_soon` (the thread never waits for the event
-  loop). On the Trio side `_deliver` fans it out to each request's `TokenSink`; a sink whose
-  consumer has gone makes that request abort at the next step boundary.
+- runner -> Trio: after each step, one batch of `SequenceEvent`s with every live request's new
+  tokens, finishes and errors, handed over with `TrioToken.run_sync_soon`; readiness and the
+  answer to a `_ClearSnapshots` go the same way. The thread never waits for the event loop (the
+  prefix-cache book it consults is thread-safe and called directly: `snapshot_keeper`). On the
+  Trio side `_deliver` fans a batch out to each request's `TokenSink`; a sink whose consumer has
+  gone makes that request abort at the next step boundary.
 
 A step is one prefill chunk or one decode token for each live sequence (the serialized route has
 at most one). An exception raised by the model fails that request only; anything that kills the
@@ -65,7 +67,6 @@ from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
-from trio_mlx.engine.mlx_cuda import apply_serving_defaults
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason, TokenLogprob
 
@@ -102,7 +103,7 @@ class _Abort:
     store: bool = True
 
 
-class _Reply:
+class _Answer:
     """A one-shot answer from the runner thread, resolved on the Trio thread."""
 
     def __init__(self) -> None:
@@ -117,7 +118,7 @@ class _Reply:
 
 @dataclass(frozen=True)
 class _ClearSnapshots:
-    reply: _Reply
+    reply: _Answer
 
 
 _Command = _Start | _Abort | _ClearSnapshots
@@ -160,6 +161,8 @@ class Runner:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()  # set whenever a command is queued, or to stop
         self._stop = threading.Event()
+        #: Set by the runner thread once its model is loaded (before it checks for a stop).
+        self._loaded = threading.Event()
         self._sinks: dict[int, TokenSink] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self.counters = RunnerCounters()
@@ -167,7 +170,7 @@ class Runner:
         self.crash: BaseException | None = None
         self._snapshots = SnapshotKeeper()
         self.snapshot_counters = self._snapshots.counters
-        self._replies: set[_Reply] = set()
+        self._replies: set[_Answer] = set()
         self._serving = False
 
     # ---- Trio side -------------------------------------------------------------------------
@@ -178,12 +181,11 @@ class Runner:
         """Start the thread, load the model, report `ModelInfo` as started, then serve until
         cancelled. A load error is raised before `started` (so `nursery.start` raises it)."""
         self._token = trio.lowlevel.current_trio_token()
-        self._snapshots.set_token(self._token)
         started = False
 
         def report_ready(info: ModelInfo) -> None:
+            # On the Trio thread, handed over with run_sync_soon (the thread does not wait).
             nonlocal started
-            self.info = info
             started = self._serving = True
             task_status.started(info)
 
@@ -205,14 +207,22 @@ class Runner:
 
     async def _run_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         """Run `_thread_main` on a runner thread until it returns; re-raise what it raised.
-        Cancelled: ask the thread to stop at its next step boundary and wait for it (shielded),
-        then re-raise the cancellation."""
+
+        Cancelled once the model is loaded: ask the thread to stop at its next step boundary
+        and wait for it (shielded: at most one step), then re-raise the cancellation. Cancelled
+        while the model is still loading: a load is one long call that cannot be interrupted,
+        so it is not waited for; the thread finishes the load, sees the stop right after it,
+        drops the model on its own thread and parks (`runner_threads`). Its outcome (the
+        model, or a load error) goes with it, unreported."""
         token = trio.lowlevel.current_trio_token()
         finished = trio.Event()
         result: list[outcome.Outcome[None]] = []
 
         def body() -> None:
-            result.append(outcome.capture(self._thread_main, report_ready))
+            captured = outcome.capture(self._thread_main, report_ready)
+            result.append(captured)
+            if isinstance(captured, outcome.Error) and self._stop.is_set():
+                log.info("an abandoned model load ended with %r", captured.error)
 
         def done() -> None:
             with contextlib.suppress(trio.RunFinishedError):  # the run is gone: nobody waits
@@ -224,8 +234,9 @@ class Runner:
         finally:
             self._stop.set()
             self._wakeup.set()
-            with trio.CancelScope(shield=True):
-                await finished.wait()
+            if self._loaded.is_set():  # else abandoned mid-load (see the docstring)
+                with trio.CancelScope(shield=True):
+                    await finished.wait()
         result[0].unwrap()
 
     def use_prefix_cache(self, manager: KVCacheManager) -> None:
@@ -237,7 +248,7 @@ class Runner:
         between two steps. Returns what was freed, or None when the runner is not serving."""
         if not self._serving or self.crash is not None:
             return None
-        reply = _Reply()
+        reply = _Answer()
         self._replies.add(reply)
         try:
             self._commands.put(_ClearSnapshots(reply))
@@ -315,8 +326,10 @@ class Runner:
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
 
-        apply_serving_defaults()
         loaded = self._loader(self._model_spec)
+        self._loaded.set()
+        if self._stop.is_set():  # cancelled while loading: nobody waits for this model
+            return
         info = describe(loaded, self._max_kv_size)
         step, tail, block = self._prefill_options
         self._prefill_plan = PrefillPlan.choose(
@@ -326,9 +339,10 @@ class Runner:
             trimmable=info.cache_support is not None and info.cache_support.trimmable,
         )
         log.info("prefill plan: %s", self._prefill_plan)
-        trio.from_thread.run_sync(report_ready, info, trio_token=self._token)
         assert self._token is not None
         deliver = self._token.run_sync_soon
+        self.info = info  # before any job can arrive: jobs come after `started`
+        deliver(report_ready, info)
         live: dict[int, ActiveSequence] = {}
         counters = self.counters
         with mx.stream(runner_stream()):

@@ -1,7 +1,8 @@
 """The runner thread's half of the prefix cache: the snapshots themselves (MLX arrays), keyed by the
-book's entry ids. The book (`KVCacheManager`: keys, sizes, LRU order, counters) lives on the Trio
-thread; the keeper changes it only through synchronous `trio.from_thread` calls, so the two never
-disagree about what is stored for longer than one call.
+book's entry ids. The book (`KVCacheManager`: keys, sizes, LRU order, counters) is thread-safe;
+the keeper consults and changes it with direct calls from the runner thread — never a round trip
+through the event loop — at the moment it changes its own dict, so the two never disagree about
+what is stored for longer than one call.
 
 Every method runs on the runner thread, between two steps:
 - `restore_for(job)`: ask the book for the longest cached prefix of the prompt; on a hit, a
@@ -22,8 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import trio
-
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob
@@ -36,13 +35,12 @@ log = logging.getLogger(__name__)
 class SnapshotCounters:
     """Written by the runner thread only; read by anyone (plain numbers)."""
 
-    #: snapshots taken, their total seconds, those that failed, restores done, tokens restored,
-    #: snapshots held now
+    #: snapshots taken, their total seconds, those that failed, restores done, snapshots held now
+    #: (the tokens restored are the book's `tokens_saved`)
     snapshots_taken: int = 0
     snapshot_seconds: float = 0.0
     snapshot_failures: int = 0
     restores: int = 0
-    cached_prompt_tokens: int = 0
     snapshots_held: int = 0
 
 
@@ -52,23 +50,15 @@ class SnapshotKeeper:
     def __init__(self) -> None:
         self.counters = SnapshotCounters()
         self._manager: KVCacheManager | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
         self._snapshots: dict[int, KVSnapshot] = {}
 
     def attach(self, manager: KVCacheManager) -> None:
-        """Use `manager` as the book."""
+        """Use `manager` as the book (before the first job is submitted)."""
         self._manager = manager
-
-    def set_token(self, token: trio.lowlevel.TrioToken) -> None:
-        """The Trio run the book lives in (set before the runner thread uses the keeper)."""
-        self._token = token
 
     def _book(self) -> KVCacheManager | None:
         manager = self._manager
         return manager if manager is not None and manager.enabled else None
-
-    def _on_trio(self, fn: Any, *args: Any) -> Any:
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
 
     def restore_for(self, job: GenerationJob, align: int = 1) -> tuple[list[Any] | None, int]:
         """The cache to start `job` from and how many prompt tokens it holds; (None, 0) means a
@@ -76,7 +66,7 @@ class SnapshotKeeper:
         manager = self._book()
         if manager is None:
             return None, 0
-        hit = self._on_trio(manager.plan, job.prompt_tokens, align)
+        hit = manager.plan(job.prompt_tokens, align)
         if hit is None:
             return None, 0
         snap = self._snapshots.get(hit.entry_id)
@@ -87,12 +77,11 @@ class SnapshotKeeper:
                 log.exception("snapshot %d could not be restored", hit.entry_id)
             else:
                 self.counters.restores += 1
-                self.counters.cached_prompt_tokens += hit.length
                 return cache, hit.length
         # Evicted meanwhile, or unusable: forget it and prefill everything.
         self._snapshots.pop(hit.entry_id, None)
         self.counters.snapshots_held = len(self._snapshots)
-        self._on_trio(manager.forget, hit.entry_id)
+        manager.forget(hit.entry_id)
         return None, 0
 
     def store(self, seq: ActiveSequence, kind: CacheKind, length: int | None = None) -> None:
@@ -120,7 +109,7 @@ class SnapshotKeeper:
         self.counters.snapshots_taken += 1
         self.counters.snapshot_seconds += time.perf_counter() - began
         try:
-            decision = self._on_trio(manager.stored, tokens, snap.nbytes, kind, snap.trimmable)
+            decision = manager.stored(tokens, snap.nbytes, kind, snap.trimmable)
         except Exception:  # the book refused in some unforeseen way: keep serving, uncached
             log.exception("request %d: the snapshot could not be entered", seq.job.request_id)
             self.counters.snapshot_failures += 1
@@ -138,7 +127,7 @@ class SnapshotKeeper:
 
         entries, nbytes = (0, 0)
         if self._manager is not None:
-            entries, nbytes = self._on_trio(self._manager.clear)
+            entries, nbytes = self._manager.clear()
         held = len(self._snapshots)
         held_bytes = sum(snap.nbytes for snap in self._snapshots.values())
         self.drop_all()

@@ -2,7 +2,11 @@
 
 `TokenSink` is the request's mailbox. The runner's per-step delivery appends to it and never
 blocks: a consumer that falls behind finds several tokens waiting and handles them together
-(deltas coalesce) instead of slowing the runner for everyone.
+(deltas coalesce) instead of slowing the runner for everyone. It is deliberately not a memory
+channel: a bounded one would make the delivery (one call for every live request's tokens)
+block or drop tokens when one consumer is slow, and an unbounded one is this list without the
+coalescing. What bounds it is the request itself (`max_tokens`). A consumer that has gone
+`close()`s it; the next `push` returns False and the runner aborts the request.
 
 `RequestStream` owns the request's detokenizer, stop-string matcher, usage counts and timings, and
 turns what the sink holds into `GenerationOutput`s. It runs in the consumer's own task: iterating
@@ -227,7 +231,10 @@ class RequestStream:
             error=batch.error if finish == "error" else None,
         )
         if batch.first_token_at is not None:
-            output.time_to_first_token = batch.first_token_at - self._submitted_at
+            ttft = batch.first_token_at - self._submitted_at
+            output.time_to_first_token = ttft
+            if ttft > 0:
+                output.prompt_tps = (self._prompt_tokens - self._sink.cached_tokens) / ttft
         if finish is not None:
             self._done = True
             if (

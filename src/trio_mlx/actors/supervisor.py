@@ -27,6 +27,7 @@ from trio_mlx.actors.runner import ModelLoader, Runner
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.kv_snapshots import SnapshotSupport
 from trio_mlx.engine.loading import load_model
+from trio_mlx.engine.mlx_cuda import keep_attention_graphs
 from trio_mlx.errors import EngineCrashed
 
 
@@ -40,9 +41,12 @@ async def serve_engine(
     """Run an engine until cancelled; `task_status.started(engine)` once the model is loaded.
 
     `config` are `EngineConfig` fields. `loader` turns the model spec into a loaded model (tests
-    use it to wrap the model). A model that cannot be loaded raises before `started`.
+    use it to wrap the model). A model that cannot be loaded raises before `started`. Nothing
+    process-wide changes unless `config` asks (`gil_switch_interval`, `cuda_sdpa_graph_cache`).
     """
     cfg = EngineConfig(model=model, **config)
+    if cfg.cuda_sdpa_graph_cache is not None:
+        keep_attention_graphs(cfg.cuda_sdpa_graph_cache)
     with _gil_switch_interval(cfg.gil_switch_interval):
         await _serve(cfg, loader, task_status)
 
@@ -93,7 +97,8 @@ def _kv_cache_manager(cfg: EngineConfig, info: ModelInfo) -> KVCacheManager:
 
 @contextmanager
 def _gil_switch_interval(interval: float | None) -> Iterator[None]:
-    """Lower Python's thread switch interval while the engine runs.
+    """Lower Python's thread switch interval while the engine runs (only when asked:
+    `EngineConfig.gil_switch_interval`).
 
     The runner thread holds the GIL while it builds each step's graph; with CPython's default
     5 ms interval, a token handed to the Trio thread can wait that long for the GIL. A short

@@ -133,8 +133,10 @@ class GenerationJob:
 
     `max_tokens` in `params` is already capped to what fits in the model's context.
     `store_points`: prompt lengths worth a snapshot during prefill (a chat's system-prompt
-    boundary, the prompt but its last token); prefill chunks end there. Only points in
-    `1..len(prompt_tokens) - 1` are used.
+    boundary, the prompt but its last token). Prefill chunks end exactly there only for a cache
+    that cannot be cut afterwards (`ActiveSequence(split_at_store_points=True)`); otherwise they
+    run past them and the runner snapshots the prefix. Only points past the restored
+    `cached_tokens` and in `1..len(prompt_tokens) - 1` are used.
     """
 
     request_id: int
@@ -243,18 +245,9 @@ class ActiveSequence:
         return self._current is None and not self.finished
 
     @property
-    def active_processors(self) -> int:
-        return len(self._processors)
-
-    @property
     def cache(self) -> list[Any]:
         """The live prompt cache (snapshot it only at a step boundary)."""
         return self._cache
-
-    @property
-    def prefill_left(self) -> int:
-        """Prompt tokens not yet through the model (the last one goes with the first decode)."""
-        return len(self.job.prompt_tokens) - self._prompt_done
 
     @property
     def prefill_done(self) -> bool:

@@ -141,19 +141,6 @@ class SystemPromptTokens:
             del self._entries[next(iter(self._entries))]
 
 
-def encode_chat(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """Token ids of `messages` rendered by the model's chat template, ready for the reply."""
-    return chat_prompt(
-        tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
-    ).tokens
-
-
 def chat_prompt(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -169,7 +156,7 @@ def chat_prompt(
     The boundary costs one tokenization, not two, where the tokenizer reports character offsets
     (a Hugging Face fast tokenizer): the system messages are rendered alone, and if the full text
     starts with that text and a token ends exactly there, that token count is the boundary.
-    Otherwise it falls back to `system_prefix_length` (tokenizing the system part on its own).
+    Otherwise it tokenizes the system part on its own and checks that its tokens are a prefix.
     With `known_systems`, a system prompt seen before is not tokenized again (see there).
     """
     normalized = normalize_messages(messages)
@@ -180,6 +167,7 @@ def chat_prompt(
     kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
     if tools:
         kwargs["tools"] = list(tools)
+    check_reasoning_rendered(tokenizer, normalized, kwargs)
     try:
         text = tokenizer.apply_chat_template(
             normalized, tokenize=False, add_generation_prompt=True, **kwargs
@@ -226,6 +214,26 @@ def chat_prompt(
     return ChatPrompt(tokens, boundary)
 
 
+def check_reasoning_rendered(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any]
+) -> None:
+    """Refuse a message's `reasoning_content` that the chat template would silently drop.
+
+    A template that renders earlier turns' reasoning names the field (`message.reasoning_content`
+    in Qwen3's and DeepSeek's); one that does not name it drops the text, and the model would
+    see a different conversation than the caller sent: `InvalidRequest` naming the field."""
+    template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None) or ""
+    if "reasoning_content" in str(template):
+        return
+    for i, message in enumerate(messages):
+        if message.get("reasoning_content"):
+            raise InvalidRequest(
+                f"messages[{i}].reasoning_content: this model's chat template does not render "
+                "reasoning, so it would be dropped; leave it out of the message",
+                param=f"messages[{i}].reasoning_content",
+            )
+
+
 def _render_system_part(
     tokenizer: Any, normalized: list[dict[str, Any]], kwargs: Mapping[str, Any]
 ) -> str | None:
@@ -254,36 +262,3 @@ def _system_tokens_prefix(
     if tuple(prompt_tokens[: len(system)]) != system:
         return None
     return len(system)
-
-
-def system_prefix_length(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]],
-    prompt_tokens: Sequence[int],
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> int | None:
-    """How many leading tokens of `prompt_tokens` render only the leading system message(s),
-    found by tokenizing the system part on its own.
-
-    `prompt_tokens` is what `encode_chat(tokenizer, messages, tools=..., chat_template_kwargs=...)`
-    produced; pass the same `tools` and `chat_template_kwargs`. The leading run of system
-    (or developer) messages is rendered alone, without a generation prompt, and tokenized the
-    same way; its tokens are the boundary if they are a proper prefix of `prompt_tokens`.
-
-    None when there is no leading system message, when the template renders the system part
-    differently once other messages follow (its tokens are then not a prefix), or when the
-    template refuses a conversation of only system messages.
-    """
-    try:
-        normalized = normalize_messages(messages)
-    except InvalidRequest:
-        return None
-    kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
-    if tools:
-        kwargs["tools"] = list(tools)
-    system_text = _render_system_part(tokenizer, normalized, kwargs)
-    if system_text is None:
-        return None
-    return _system_tokens_prefix(tokenizer, system_text, prompt_tokens)

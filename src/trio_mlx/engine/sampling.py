@@ -53,10 +53,16 @@ class TokenSelector:
         return self._bias is not None or self._seen is not None or self._counts is not None
 
     def adjust(self, logits: Any) -> Any:
-        """The logits after bias and penalties (shape (1, vocab), float32)."""
+        """The logits after bias and penalties (shape (1, width), float32).
+
+        The logits may be wider than the vocabulary (an output layer padded past the tokenizer's
+        ids): the bias and penalty arrays are widened with zeros once, so the extra entries get
+        no bias and no count. Narrower logits cannot carry a bias or a penalty for every token
+        of the vocabulary: `ValueError` (the request fails with that message)."""
         logits = logits.astype(mx.float32)
-        if logits.shape[-1] != self._vocab:
-            return logits
+        width = logits.shape[-1]
+        if width != self._vocab and self.adjusts_logits:
+            self._widen(width)
         if self._bias is not None:
             logits = logits + self._bias
         if self._seen is not None:
@@ -70,6 +76,21 @@ class TokenSelector:
                 - self.params.presence_penalty * (self._counts > 0).astype(mx.float32)
             )
         return logits
+
+    def _widen(self, width: int) -> None:
+        if width < self._vocab:
+            raise ValueError(
+                f"the model's logits have {width} entries, fewer than its vocabulary's "
+                f"{self._vocab} tokens: logit_bias and the penalties cannot apply"
+            )
+        pad = mx.zeros((width - self._vocab,), dtype=mx.float32)
+        if self._bias is not None:
+            self._bias = mx.concatenate([self._bias, pad])
+        if self._seen is not None:
+            self._seen = mx.concatenate([self._seen, pad])
+        if self._counts is not None:
+            self._counts = mx.concatenate([self._counts, pad])
+        self._vocab = width
 
     def choose(self, logits: Any) -> Any:
         """The chosen token (shape (1,), lazy) from adjusted logits; updates the penalty state."""

@@ -37,6 +37,7 @@ from trio_mlx.http.generation import SSE_HEADERS, sse_event
 from trio_mlx.http.metrics import Metrics
 from trio_mlx.http.objects import Health, ModelCard, ModelList
 from trio_mlx.http.openapi import openapi_document
+from trio_mlx.http.ownership import RequestOwner
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from trio_mlx.http.responses import start_response
 from trio_mlx.http.state import ServerState
@@ -57,7 +58,7 @@ def create_app(state: ServerState) -> QuartTrio:
     )
     metrics = Metrics()
     app.asgi_app = FinishResponses(  # type: ignore[method-assign,assignment]
-        AccessLog(app.asgi_app, metrics.observe)
+        AccessLog(RequestOwner(app.asgi_app), metrics.observe)
     )
     _routes(app, state, metrics)
     _error_handlers(app)
@@ -164,8 +165,9 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
             return _json(await run.final())
 
         async def frames() -> AsyncIterator[bytes]:
-            async for event in run.events():
-                yield sse_event(event["type"], event)
+            async with contextlib.aclosing(run.events()) as events:
+                async for event in events:
+                    yield sse_event(event["type"], event)
 
         return _event_stream(frames())
 
@@ -181,8 +183,9 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
             except APIError as exc:
                 await websocket.send(json.dumps(_socket_error(exc)))
                 continue
-            async for event in run.events():
-                await websocket.send(json.dumps(event, separators=(",", ":")))
+            async with contextlib.aclosing(run.events()) as events:
+                async for event in events:
+                    await websocket.send(json.dumps(event, separators=(",", ":")))
 
     @app.get("/v1/models")
     async def models_route() -> Response:

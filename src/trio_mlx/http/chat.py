@@ -29,7 +29,7 @@ from trio_mlx.http.generation import (
     new_id,
     openai_finish_reason,
     outputs,
-    prepare,
+    prepare_async,
     raise_failure,
     run_to_end,
     sse,
@@ -90,7 +90,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             "role": "system" if message.role == "developer" else message.role,
             "content": text or "",
         }
-        for name in ("name", "tool_calls", "tool_call_id"):
+        # `reasoning_content` goes to the template, which renders it or is refused for it
+        # (`prompts.check_reasoning_rendered`): never accepted and dropped.
+        for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             value = getattr(message, name)
             if value is not None:
                 item[name] = value
@@ -115,8 +117,8 @@ async def chat_completions(
         options["top_logprobs"] = body.top_logprobs or 0
     if body.thinking_token_budget is not None:
         options["thinking_token_budget"] = body.thinking_token_budget
-    prepared = prepare(
-        lambda: engine.prepare_chat(
+    prepared = await prepare_async(
+        lambda: engine.prepare_chat_async(
             messages,
             max_tokens=body.completion_limit,
             tools=tools,
@@ -126,7 +128,7 @@ async def chat_completions(
     )
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)
-    reply = _Reply(new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer))
+    reply = _ChatReply(new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer))
     if body.stream:
         return reply.stream(active, record, include_usage=body.include_usage)
     final = await run_to_end(active, record)
@@ -134,7 +136,9 @@ async def chat_completions(
     return reply.completion(final, with_logprobs=bool(body.logprobs)).dump()
 
 
-class _Reply:
+class _ChatReply:
+    """One chat completion's answer: its id, the whole body, or its SSE chunks."""
+
     def __init__(self, id: str, created: int, model: str, text: TokenText) -> None:
         self.id = id
         self.created = created

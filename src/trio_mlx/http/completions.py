@@ -23,7 +23,7 @@ from trio_mlx.http.generation import (
     new_id,
     openai_finish_reason,
     outputs,
-    prepare,
+    prepare_async,
     raise_failure,
     run_to_end,
     sse,
@@ -46,15 +46,15 @@ async def completions(
     if body.logprobs is not None:
         options["logprobs"] = True
         options["top_logprobs"] = body.logprobs
-    prepared = prepare(
-        lambda: engine.prepare_generate(prompt, max_tokens=body.max_tokens, **options)
+    prepared = await prepare_async(
+        lambda: engine.prepare_generate_async(prompt, max_tokens=body.max_tokens, **options)
     )
     record.prompt_tokens = len(prepared.prompt_tokens)
     echo = ""
     if body.echo:
         echo = prompt if isinstance(prompt, str) else str(engine.tokenizer.decode(prompt))
     active = await admit(engine, prepared)
-    reply = _Reply(
+    reply = _CompletionReply(
         new_id("cmpl"),
         int(time.time()),
         model,
@@ -67,7 +67,9 @@ async def completions(
     return (await reply.whole(active, record)).dump()
 
 
-class _Reply:
+class _CompletionReply:
+    """One completion's answer: its id, the whole body, or its SSE chunks."""
+
     def __init__(
         self,
         id: str,

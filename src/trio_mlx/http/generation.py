@@ -1,17 +1,19 @@
 """What every generation route shares: preparing and admitting a request with HTTP errors, the
 SSE framing, the error a stream ends with, and logprobs in the OpenAI shapes.
 
-A request is decided before the first byte: validation (`prepare`) and admission (`admit`) both
-raise `APIError`, so a refused request gets its status code, never an HTTP 200 with an empty
-stream. Once admitted, the `ActiveRequest` must be closed: `outputs` does it when iteration ends,
-is cancelled (the client went away) or the iterator is dropped unstarted.
+A request is decided before the first byte: validation (`prepare_async`) and admission (`admit`)
+both raise `APIError`, so a refused request gets its status code, never an HTTP 200 with an empty
+stream. Once admitted, the `ActiveRequest` is owned by the HTTP request's ASGI call
+(`ownership.own`): it is closed when that call ends, whatever the point of the response's life at
+which it ended (a client gone before the body's first byte included). `outputs` and `run_to_end`
+close it earlier, as soon as iteration ends, is cancelled or the iterator is dropped.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeVar
 
 from trio_mlx.actors.engine import Engine
@@ -31,6 +33,7 @@ from trio_mlx.http.objects import (
     TokenLogprobOut,
     TopLogprob,
 )
+from trio_mlx.http.ownership import own
 from trio_mlx.preparation import PreparedRequest
 from trio_mlx.types import GenerationOutput, TokenLogprob
 
@@ -45,17 +48,28 @@ def new_id(prefix: str) -> str:
 
 
 def prepare(build: Callable[[], T]) -> T:
-    """Run the engine's request preparation, turning its refusals into 400s."""
+    """Run the engine's synchronous request preparation, turning its refusals into 400s.
+    It tokenizes on the event loop: routes use `prepare_async`."""
     try:
         return build()
     except TrioMLXError as exc:
         raise from_engine_error(exc) from exc
 
 
-async def admit(engine: Engine, request: PreparedRequest) -> ActiveRequest:
-    """Admission and submission; refusals become 429 (with Retry-After) or 503."""
+async def prepare_async(build: Callable[[], Awaitable[T]]) -> T:
+    """Await the engine's request preparation (`Engine.prepare_chat_async` /
+    `prepare_generate_async`: tokenization off the event loop), refusals as 400s."""
     try:
-        return await engine.start_request(request)
+        return await build()
+    except TrioMLXError as exc:
+        raise from_engine_error(exc) from exc
+
+
+async def admit(engine: Engine, request: PreparedRequest) -> ActiveRequest:
+    """Admission and submission; refusals become 429 (with Retry-After) or 503. The admitted
+    request is owned by the current HTTP request (see `ownership`)."""
+    try:
+        return own(await engine.start_request(request))
     except TrioMLXError as exc:
         raise from_engine_error(exc) from exc
 

@@ -2,8 +2,10 @@
 
 Request metrics are observed once per generation request when its HTTP exchange ends (the access
 log's record): time to first token, the request's mean inter-token latency, end-to-end latency,
-prompt and generated tokens, and the finish reason (`stop`, `length`, `abort`, `error`). Gauges
-(running, waiting) and the prefix-cache counters are read from the engine at scrape time.
+prompt and generated tokens, and how it ended: `request_success_total{finished_reason}` counts
+only requests that generated to their end (`stop`, `length`); `request_aborted_total` and
+`request_failed_total` count the others. Gauges (running, waiting) and the prefix-cache counters
+are read from the engine at scrape time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 from trio_mlx.http.access_log import RequestRecord
 
 PREFIX = "trio_mlx:"
+#: Finish reasons that are not a success: counted by their own metrics.
+UNSUCCESSFUL = frozenset({"abort", "error"})
 
 LATENCY_BUCKETS = (
     0.001,
@@ -162,11 +166,24 @@ class Metrics:
         metric(
             "request_success_total",
             "counter",
-            "Finished requests by finish reason.",
+            "Requests that generated to their end, by finish reason (stop, length).",
             [
                 sample("request_success_total", n, f',finished_reason="{_escape(reason)}"')
                 for reason, n in sorted(self.finished.items())
+                if reason not in UNSUCCESSFUL
             ],
+        )
+        metric(
+            "request_aborted_total",
+            "counter",
+            "Requests ended before their end: the client went away, or the server shut down.",
+            [sample("request_aborted_total", self.finished["abort"])],
+        )
+        metric(
+            "request_failed_total",
+            "counter",
+            "Requests whose generation failed (a model or decoding error).",
+            [sample("request_failed_total", self.finished["error"])],
         )
         for name, hist, help in (
             ("time_to_first_token_seconds", self.ttft, "Time to first token."),

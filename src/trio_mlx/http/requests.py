@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
 from trio_mlx.http.errors import APIError
+from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 # Fields that are validated in code (for a clearer message than a type error) but whose accepted
 # values the published schema states exactly, so that a client generated from it sends nothing
@@ -108,8 +109,8 @@ class SamplingFields(_Body):
     def sampling_options(self) -> dict[str, Any]:
         """The engine keyword options this request sets (absent ones keep engine defaults)."""
         options: dict[str, Any] = {
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            "top_p": DEFAULT_TOP_P if self.top_p is None else self.top_p,
             "stop": self.stop,
             "seed": self.seed,
         }

@@ -15,7 +15,7 @@ goes away aborts the generation at the next step boundary.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from trio_mlx.actors.engine import Engine
@@ -23,7 +23,7 @@ from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.chat import template_messages
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.generation import admit, failure, new_id, outputs, prepare, run_to_end
+from trio_mlx.http.generation import admit, failure, new_id, outputs, prepare_async, run_to_end
 from trio_mlx.http.objects import (
     ErrorDetail,
     IncompleteDetails,
@@ -69,8 +69,8 @@ async def start_response(
     record.model = model
     messages = input_messages(body)
     options = body.sampling_options()
-    prepared = prepare(
-        lambda: engine.prepare_chat(messages, max_tokens=body.max_output_tokens, **options)
+    prepared = await prepare_async(
+        lambda: engine.prepare_chat_async(messages, max_tokens=body.max_output_tokens, **options)
     )
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)
@@ -155,7 +155,7 @@ class ResponseRun:
         last = await run_to_end(self.active, self.record)
         return self.response(_status(last), last.text, last).dump()
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncGenerator[dict[str, Any]]:
         """The event sequence of a streamed response."""
         last: GenerationOutput | None = None
         try:

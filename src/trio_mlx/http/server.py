@@ -30,6 +30,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from trio_mlx.actors.runner import ModelLoader
 from trio_mlx.actors.supervisor import open_engine
+from trio_mlx.config import SERVER_PROCESS_SETTINGS
 from trio_mlx.engine.loading import load_model
 from trio_mlx.http.app import create_app
 from trio_mlx.http.state import ServerSettings, ServerState
@@ -122,6 +123,7 @@ def _bind(host: str, port: int) -> str:
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """`trio-mlx serve` arguments (see `cli.py`) as `ServerSettings`."""
     engine_options: dict[str, object] = {
+        **SERVER_PROCESS_SETTINGS,  # a server owns its process (EngineConfig says why)
         "admission": args.admission,
         "max_waiting": args.max_waiting,
         "max_wait": args.max_wait,

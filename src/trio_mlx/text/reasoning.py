@@ -18,10 +18,6 @@ class ReasoningSplitter:
         self._seen_content = False
         self._held = ""
 
-    @property
-    def thinking(self) -> bool:
-        return self._thinking
-
     def feed(self, text: str) -> tuple[str, str]:
         buffer = self._held + text
         self._held = ""

@@ -1,0 +1,53 @@
+"""Opening an engine leaves the host process as it found it unless the caller asks: the GIL
+switch interval and MLX's CUDA attention-graph cache variable are process-wide, so only an
+explicit `EngineConfig` option (which `trio-mlx serve` sets) changes them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import trio_mlx
+from trio_mlx.config import SERVER_PROCESS_SETTINGS
+from trio_mlx.http.server import settings_from_args
+
+VARIABLE = "MLX_CUDA_SDPA_CACHE_SIZE"
+
+
+async def test_opening_an_engine_changes_nothing_process_wide_by_default(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(VARIABLE, raising=False)
+    interval = sys.getswitchinterval()
+    async with trio_mlx.open_engine(tiny_model_dir) as engine:
+        await engine.generate("Once", max_tokens=2, temperature=0)
+        assert VARIABLE not in os.environ
+        assert sys.getswitchinterval() == interval
+
+
+async def test_the_process_settings_apply_when_asked_and_the_interval_is_put_back(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(VARIABLE, raising=False)
+    interval = sys.getswitchinterval()
+    assert interval > 0.0005
+    async with trio_mlx.open_engine(
+        tiny_model_dir, gil_switch_interval=0.0005, cuda_sdpa_graph_cache=1024
+    ):
+        assert os.environ[VARIABLE] == "1024"
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    assert sys.getswitchinterval() == interval
+    monkeypatch.setenv(VARIABLE, "7")  # a value the environment sets wins
+    async with trio_mlx.open_engine(tiny_model_dir, cuda_sdpa_graph_cache=1024):
+        assert os.environ[VARIABLE] == "7"
+
+
+def test_the_server_asks_for_them() -> None:
+    from trio_mlx.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    options = settings_from_args(args).engine_options
+    assert {k: options[k] for k in SERVER_PROCESS_SETTINGS} == SERVER_PROCESS_SETTINGS
