@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trio_mlx.engine.cpu_path import prepare_cpu_model
 from trio_mlx.engine.model_spec import ResolvedModel, resolve_model_path
 from trio_mlx.errors import ModelLoadError
 
@@ -57,6 +58,9 @@ def load_model(spec: str | Path | None) -> LoadedModel:
         raise
     except Exception as exc:
         raise ModelLoadError(f"{resolved.path}: cannot load the model: {exc}") from exc
+    model, cpu = prepare_cpu_model(model)
+    if cpu is not None:
+        log.info("%s", cpu.log_line())
     try:
         config = json.loads((resolved.path / "config.json").read_text())
     except (OSError, ValueError) as exc:
