@@ -325,7 +325,7 @@ class Runner:
             block=block,
             trimmable=info.cache_support is not None and info.cache_support.trimmable,
         )
-        log.info("prefill plan: %s", self._prefill_plan)
+        log.debug("prefill plan: %s", self._prefill_plan)
         trio.from_thread.run_sync(report_ready, info, trio_token=self._token)
         assert self._token is not None
         deliver = self._token.run_sync_soon

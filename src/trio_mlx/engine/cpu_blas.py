@@ -114,7 +114,7 @@ def _arrange() -> BlasState:
 
 def _load_scipy_openblas() -> ctypes.CDLL | None:
     try:
-        import scipy_openblas32
+        import scipy_openblas32  # type: ignore[import-untyped]
     except ImportError:
         return None
     lib = Path(scipy_openblas32.get_lib_dir()) / scipy_openblas32.get_library(fullname=True)
@@ -181,7 +181,7 @@ def _library_of(address: int | None) -> str:
     info = _DlInfo()
     if libc.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) == 0 or not info.dli_fname:
         return "unknown"
-    return info.dli_fname.decode(errors="replace")
+    return str(info.dli_fname.decode(errors="replace"))
 
 
 def _write_pointer(address: int, value: int | None) -> None:

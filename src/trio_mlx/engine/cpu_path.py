@@ -113,16 +113,11 @@ def prepare_cpu_model(model: Any) -> tuple[Any, CpuPath | None]:
 
 
 def _stored_dtype(model: Any) -> str:
-    import mlx.nn as nn
-
     for _, module in model.named_modules():
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            return f"{module.bits}-bit"
-        if hasattr(module, "bits") and hasattr(module, "scales"):  # switch layers and the like
-            return f"{module.bits}-bit"
-    from mlx.utils import tree_flatten
-
-    dtypes = {str(p.dtype).rsplit(".", 1)[-1] for _, p in tree_flatten(model.parameters())}
+        bits = getattr(module, "bits", None)
+        if isinstance(bits, int) and "scales" in module:  # QuantizedLinear, -Embedding, ...
+            return f"{bits}-bit"
+    dtypes = {str(p.dtype).rsplit(".", 1)[-1] for p in _leaves(model)}
     for name in ("bfloat16", "float16", "float32"):
         if name in dtypes:
             return name
@@ -131,8 +126,6 @@ def _stored_dtype(model: Any) -> str:
 
 def _parameter_count(model: Any) -> int:
     """Weights as dense elements (a quantized matrix counted at its unpacked size)."""
-    from mlx.utils import tree_flatten
-
     total = 0
     for _, module in model.named_modules():
         bits = getattr(module, "bits", None)
@@ -142,8 +135,15 @@ def _parameter_count(model: Any) -> int:
             total -= module["scales"].size
             if "biases" in module:
                 total -= module["biases"].size
-    total += sum(p.size for _, p in tree_flatten(model.parameters()))
+    total += sum(int(p.size) for p in _leaves(model))
     return total
+
+
+def _leaves(model: Any) -> list[Any]:
+    from mlx.utils import tree_flatten
+
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    return [p for _, p in flat]
 
 
 def _physical_memory() -> int:

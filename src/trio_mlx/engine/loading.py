@@ -43,6 +43,19 @@ def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
     return 4096
 
 
+def _silence_length_warning(tokenizer: Any) -> None:
+    """Mark transformers' "Token indices sequence length is longer than ..." as already given.
+
+    The engine measures every prompt against the context itself and refuses one that does not
+    fit with a 400; the tokenizer's warning (it compares with `model_max_length`) would only
+    mislead.
+    """
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    warned = getattr(hf, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+
 def load_model(spec: str | Path | None) -> LoadedModel:
     """Resolve `spec` (see `resolve_model_path`) and load it with mlx-lm.
 
@@ -66,6 +79,7 @@ def load_model(spec: str | Path | None) -> LoadedModel:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{resolved.path}/config.json: {exc}") from exc
     eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+    _silence_length_warning(tokenizer)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
