@@ -83,15 +83,14 @@ def _add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("TRIO_MLX_CPU_WEIGHTS", "auto"),
         help="on MLX's CPU backend: auto runs quantized and half-precision weights as float32 "
         "where OpenBLAS serves and they fit in a quarter of memory; float32 always; as-stored "
-        "never (env TRIO_MLX_CPU_WEIGHTS; default: %(default)s)",
+        "never; env TRIO_MLX_CPU_WEIGHTS",
     )
     parser.add_argument(
         "--blas",
         choices=("auto", "reference"),
         default=os.environ.get("TRIO_MLX_BLAS", "auto") or "auto",
         help="on MLX's CPU backend: auto uses the OpenBLAS of scipy-openblas32 (or one already "
-        "loaded); reference keeps the reference BLAS MLX ships (env TRIO_MLX_BLAS; "
-        "default: %(default)s)",
+        "loaded); reference keeps the reference BLAS MLX ships; env TRIO_MLX_BLAS",
     )
     parser.add_argument(
         "--prefill-step-size",
@@ -155,27 +154,26 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=os.environ.get("TRIO_MLX_MODEL") or None,
-        help="an mlx-lm directory, a .gguf file or a Hugging Face repo id in the local cache "
-        "(env TRIO_MLX_MODEL; default: the bundled SmolLM2-135M-Instruct)",
+        help="an mlx-lm directory, a .gguf file or a Hugging Face repo id in the local cache; "
+        "env TRIO_MLX_MODEL (default: the bundled SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--host",
         default=os.environ.get("TRIO_MLX_HOST", "127.0.0.1"),
-        help="address to listen on; 0.0.0.0 for every interface (env TRIO_MLX_HOST; "
-        "default: %(default)s)",
+        help="address to listen on; 0.0.0.0 for every interface; env TRIO_MLX_HOST",
     )
     parser.add_argument(
         "--port",
         type=int,
         default=_env_port(),
-        help="port to listen on; 0 picks a free one (env TRIO_MLX_PORT; default: %(default)s)",
+        help="port to listen on; 0 picks a free one; env TRIO_MLX_PORT",
     )
     parser.add_argument(
         "--served-model-name",
         action="append",
         default=None,
-        help="a name clients may use for the model (repeatable; the first is listed first; "
-        "default: the model's name)",
+        help="a name clients may use for the model, repeatable, the first listed first "
+        "(default: the model's name)",
     )
     parser.add_argument(
         "--admission",
@@ -218,14 +216,14 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-kv-size",
         type=int,
         default=None,
-        help="tokens a request's KV cache keeps (a rotating cache; default: unbounded)",
+        help="tokens a request's KV cache keeps, in a rotating cache (default: unbounded)",
     )
     parser.add_argument(
         "--cache-memory-mb",
         type=float,
         default=None,
-        help="memory for the prefix KV cache in MiB (default: half the model's weights, "
-        "256 MiB to 8 GiB; 0 disables it)",
+        help="memory for the prefix KV cache in MiB; 0 disables it "
+        "(default: half the model's weights, 256 MiB to 8 GiB)",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -291,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--model",
         default=os.environ.get("TRIO_MLX_MODEL") or None,
-        help="model spec, as serve's MODEL (env TRIO_MLX_MODEL; default: the bundled SmolLM2)",
+        help="model spec, as serve's MODEL; env TRIO_MLX_MODEL (default: the bundled SmolLM2)",
     )
     generate.add_argument("--chat", action="store_true", help="send PROMPT as a user message")
     _add_cpu_arguments(generate)
