@@ -56,7 +56,8 @@ def _env_port() -> int:
     try:
         return int(value)
     except ValueError:
-        raise SystemExit(f"trio-mlx: error: TRIO_MLX_PORT={value!r} is not a port number") from None
+        print(f"trio-mlx: error: TRIO_MLX_PORT={value!r} is not a port number", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _version() -> str:

@@ -1,7 +1,7 @@
 """The command line's logging: one handler on stderr, text or JSON lines, a level for trio-mlx.
 
-`configure(level, fmt)` sets trio-mlx's loggers (`trio_mlx.*`) and hypercorn's error log to
-`level`; other libraries log at WARNING and above (DEBUG as well under `level="debug"`).
+`configure(level, fmt)` sets trio-mlx's loggers (`trio_mlx.*`) to `level`; hypercorn's error log
+and other libraries log at WARNING and above (DEBUG as well under `level="debug"`).
 `fmt="json"` writes one JSON object a line: `time` (ISO 8601, UTC), `level`, `logger`,
 `message`, and `exception` (the traceback) where there is one.
 """
@@ -44,5 +44,6 @@ def configure(level: str, fmt: str = "text") -> None:
     root.addHandler(handler)
     numeric = getattr(logging, level.upper())
     root.setLevel(min(numeric, logging.WARNING) if numeric == logging.DEBUG else logging.WARNING)
-    for name in ("trio_mlx", "hypercorn.error"):
-        logging.getLogger(name).setLevel(numeric)
+    logging.getLogger("trio_mlx").setLevel(numeric)
+    # hypercorn's INFO line ("Running on ...") repeats trio-mlx's own "loading ... on URL".
+    logging.getLogger("hypercorn.error").setLevel(max(numeric, logging.WARNING))

@@ -82,7 +82,7 @@ async def serve_http(
     running: list[RunningServer] = []
 
     def shutdown() -> None:
-        if not stop.is_set():
+        if not stop.is_set() and state.load_error is None:
             log.info("shutting down: draining for up to %.1f s", settings.shutdown_timeout)
         state.draining = True
         stop.set()
