@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="NAME: writes NAME.json, .md")
     args = parser.parse_args()
     rng = random.Random(0)
+    load_before = os.getloadavg()
     server, url = start_server(args.out.with_suffix(".log"))
     rows: list[dict[str, Any]] = []
     try:
@@ -147,7 +148,11 @@ def main() -> None:
         server.wait(timeout=60)
     report = {
         "command": "python -m bench.cpu_path " + " ".join(sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_1min": [load_before[0], os.getloadavg()[0]],
+        },
         "rows": rows,
     }
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
@@ -163,7 +168,10 @@ def render(report: dict[str, Any], args: argparse.Namespace) -> str:
         f"{args.repeats} repeats",
         "",
         f"`{report['command']}` on {report['machine']['platform']}, "
-        f"{report['machine']['cpus']} CPUs (shared; compare ratios within the run).",
+        f"{report['machine']['cpus']} CPUs, shared: 1-minute load average "
+        f"{report['machine']['load_average_1min'][0]:.1f} at the start and "
+        f"{report['machine']['load_average_1min'][1]:.1f} at the end; compare ratios within "
+        "the run.",
         "",
         "| system | prefill tok/s | decode tok/s | prefill × raw 4-bit | decode × raw 4-bit |",
         "| --- | --- | --- | --- | --- |",
