@@ -3,6 +3,7 @@ traceback unless -v. Run as a user runs it: a subprocess."""
 
 from __future__ import annotations
 
+import gc
 import socket
 import subprocess
 import sys
@@ -87,3 +88,20 @@ def test_weights_larger_than_the_available_memory_are_refused_with_the_sizes() -
     assert "not enough memory for /models/big" in message
     assert "3.0 GiB" in message and "1.0 GiB is available" in message
     check_memory(2**20, Path("/models/small"), available=2**30)  # fits: no error
+
+
+# hypercorn 0.18 leaves the socket of a failed bind to the garbage collector.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_serve_http_itself_names_a_port_taken_after_the_checks(tiny_model_dir: Path) -> None:
+    # The CLI's check runs before the listener is bound; a port taken in between (or a caller
+    # of serve_http, which has no check) gets the same one-line error from the real bind.
+    from trio_mlx.http.server import serve_http
+    from trio_mlx.http.state import ServerSettings
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(StartupError, match=f"port {port} is already in use"):
+            await serve_http(ServerSettings(model=tiny_model_dir, port=port))
+    gc.collect()  # collect hypercorn's socket here, under this test's filter

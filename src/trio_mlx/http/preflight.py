@@ -53,7 +53,7 @@ def check_listen(host: str, port: int) -> None:
 
 def bind_error(host: str, port: int, exc: BaseException) -> StartupError:
     """The one-line `StartupError` for a failure to listen at `host:port`."""
-    os_error = _first_os_error(exc)
+    os_error = first_os_error(exc)
     code = os_error.errno if os_error is not None else None
     where = f"{host}:{port}"
     if code == errno.EADDRINUSE:
@@ -76,17 +76,18 @@ def bind_error(host: str, port: int, exc: BaseException) -> StartupError:
     return StartupError(f"cannot listen on {where}: {reason}")
 
 
-def _first_os_error(exc: BaseException) -> OSError | None:
+def first_os_error(exc: BaseException) -> OSError | None:
+    """The `OSError` in `exc`, its group or its causes, or None."""
     if isinstance(exc, OSError):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            found = _first_os_error(inner)
+            found = first_os_error(inner)
             if found is not None:
                 return found
     for linked in (exc.__cause__, exc.__context__):
         if linked is not None and linked is not exc:
-            found = _first_os_error(linked)
+            found = first_os_error(linked)
             if found is not None:
                 return found
     return None

@@ -35,7 +35,13 @@ from trio_mlx.actors.runner import ModelLoader
 from trio_mlx.actors.supervisor import open_engine
 from trio_mlx.engine.loading import load_model
 from trio_mlx.http.app import create_app
-from trio_mlx.http.preflight import StartupError, bind_error, check_listen, check_model
+from trio_mlx.http.preflight import (
+    StartupError,
+    bind_error,
+    check_listen,
+    check_model,
+    first_os_error,
+)
 from trio_mlx.http.state import ServerSettings, ServerState
 
 log = logging.getLogger("trio_mlx.server")
@@ -148,15 +154,21 @@ async def serve_http(
             app, config, shutdown_trigger=close_listener.wait, task_status=task_status
         )
 
+    bind_failure: list[StartupError] = []
     async with trio.open_nursery() as nursery:
         try:
             binds: list[str] = await nursery.start(run_http)
         except (OSError, BaseExceptionGroup) as exc:
-            raise bind_error(settings.host, settings.port, exc) from exc
-        server = RunningServer(url=binds[0], state=state, shutdown=shutdown, abort=abort)
-        running.append(server)
-        nursery.start_soon(run_engine)
-        task_status.started(server)
+            if first_os_error(exc) is None:
+                raise
+            bind_failure.append(bind_error(settings.host, settings.port, exc))
+        else:
+            server = RunningServer(url=binds[0], state=state, shutdown=shutdown, abort=abort)
+            running.append(server)
+            nursery.start_soon(run_engine)
+            task_status.started(server)
+    if bind_failure:
+        raise bind_failure[0]
     if load_error:
         raise load_error[0]
 
