@@ -4,6 +4,7 @@ message once, internal details only at debug level, and JSON lines under `--log-
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,9 @@ def test_loading_then_ready_then_listening_each_once_and_no_internals(
     tiny_model_dir: Path,
 ) -> None:
     command = [sys.executable, "-m", "trio_mlx", "serve", str(tiny_model_dir), "--port", "0"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    # transformers at its own default verbosity, which would show its sequence-length warning
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "warning"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert process.stderr is not None
         log = []
