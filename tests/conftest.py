@@ -10,6 +10,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The suite checks bit-exact equalities (a cached prefix against a fresh prefill of another
+# length), which MLX's reference BLAS keeps and OpenBLAS's shape-dependent blocking does not.
+# tests/test_cpu_path.py runs the OpenBLAS path in subprocesses without this.
+os.environ.setdefault("TRIO_MLX_BLAS", "reference")
 
 import trio_mlx
 from tiny_model import build_tiny_model

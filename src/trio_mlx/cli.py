@@ -6,35 +6,115 @@
 
 MODEL is an mlx-lm directory, a Hugging Face repo id in the local cache, a `.gguf` file, or
 nothing for the bundled SmolLM2-135M-Instruct.
+
+Every option has help text and shows its default in `--help`; `TRIO_MLX_HOST`, `TRIO_MLX_PORT`
+and `TRIO_MLX_MODEL` set the defaults of `--host`, `--port` and MODEL. Exit status: 0, 1 for a
+failure (the one line `trio-mlx: error: ...` says why and what to do), 2 for a usage error,
+130 for Ctrl-C during `generate`, 128 + N when a second signal N stopped `serve`. Tracebacks
+only with `-v`. The README's command-line section is checked against this parser
+(tests/test_cli_reference.py; `python -m trio_mlx.cli_reference` prints it).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib.metadata
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
+from trio_mlx import log_setup
+from trio_mlx.engine.cpu_path import CHOICES as CPU_WEIGHTS_CHOICES
 from trio_mlx.errors import TrioMLXError
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
+#: Prefill chunk sizes: on a GPU, and on MLX's CPU backend (where 2,048 tokens take ~15 s and an
+#: abort waits for the chunk in progress).
+PREFILL_STEP_SIZE = 2048
+CPU_PREFILL_STEP_SIZE = 256
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`--help` with each option's default, unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction | argparse._VersionAction):
+            return text
+        if action.option_strings or action.nargs in ("?", "*"):
+            return f"{text} (default: %(default)s)"
+        return text
+
+
+def _env_port() -> int:
+    value = os.environ.get("TRIO_MLX_PORT", "8000")
+    try:
+        return int(value)
+    except ValueError:
+        print(f"trio-mlx: error: TRIO_MLX_PORT={value!r} is not a port number", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trio-mlx")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source checkout
+        return "unknown"
+
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    # The same defaults as the engine API and the HTTP routes (preparation.DEFAULT_*).
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    # The same defaults as the engine API and the HTTP routes (types.DEFAULT_*).
     parser.add_argument(
         "--temperature",
         type=float,
         default=DEFAULT_TEMPERATURE,
-        help=f"sampling temperature (default {DEFAULT_TEMPERATURE:g}); 0 is greedy",
+        help="sampling temperature; 0 is greedy",
     )
-    parser.add_argument("--top-p", type=float, default=DEFAULT_TOP_P)
+    parser.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="nucleus sampling mass")
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+
+
+def _add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cpu-weights",
+        choices=CPU_WEIGHTS_CHOICES,
+        default=os.environ.get("TRIO_MLX_CPU_WEIGHTS", "auto"),
+        help="on MLX's CPU backend: auto runs quantized and half-precision weights as float32 "
+        "where OpenBLAS serves and they fit in a quarter of memory; float32 always; as-stored "
+        "never; env TRIO_MLX_CPU_WEIGHTS",
+    )
+    parser.add_argument(
+        "--blas",
+        choices=("auto", "reference"),
+        default=os.environ.get("TRIO_MLX_BLAS", "auto") or "auto",
+        help="on MLX's CPU backend: auto uses the OpenBLAS of scipy-openblas32 (or one already "
+        "loaded); reference keeps the reference BLAS MLX ships; env TRIO_MLX_BLAS",
+    )
+    parser.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=None,
+        help=f"prompt tokens per prefill chunk; an abort waits for the chunk in progress "
+        f"(default: {PREFILL_STEP_SIZE}, {CPU_PREFILL_STEP_SIZE} on MLX's CPU backend)",
+    )
+
+
+def _apply_cpu_arguments(args: argparse.Namespace) -> None:
+    """Hand the CPU-path choices to the engine (by environment: the loader reads them there)."""
+    os.environ["TRIO_MLX_CPU_WEIGHTS"] = args.cpu_weights
+    os.environ["TRIO_MLX_BLAS"] = args.blas
+    if args.prefill_step_size is None:
+        from trio_mlx.engine.cpu_path import on_cpu_backend
+
+        args.prefill_step_size = CPU_PREFILL_STEP_SIZE if on_cpu_backend() else PREFILL_STEP_SIZE
 
 
 async def _generate(args: argparse.Namespace) -> None:
@@ -76,19 +156,43 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="model spec (default: SmolLM2)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=os.environ.get("TRIO_MLX_MODEL") or None,
+        help="an mlx-lm directory, a .gguf file or a Hugging Face repo id in the local cache; "
+        "env TRIO_MLX_MODEL (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("TRIO_MLX_HOST", "127.0.0.1"),
+        help="address to listen on; 0.0.0.0 for every interface; env TRIO_MLX_HOST",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=_env_port(),
+        help="port to listen on; 0 picks a free one; env TRIO_MLX_PORT",
+    )
     parser.add_argument(
         "--served-model-name",
         action="append",
         default=None,
-        help="a name clients may use for the model (repeatable; the first is listed first)",
+        help="a name clients may use for the model, repeatable, the first listed first "
+        "(default: the model's name)",
     )
-    parser.add_argument("--admission", choices=["fail-fast", "wait"], default=None)
+    parser.add_argument(
+        "--admission",
+        choices=["fail-fast", "wait"],
+        default=None,
+        help="a request that finds the engine busy: fail-fast answers 429 at once, wait queues "
+        "it (default: wait when --max-waiting > 0, else fail-fast)",
+    )
     parser.add_argument("--max-waiting", type=int, default=0, help="queue length in wait mode")
-    parser.add_argument("--max-wait", type=float, default=30.0, help="seconds a request may wait")
-    parser.add_argument("--prefill-step-size", type=int, default=2048)
+    parser.add_argument(
+        "--max-wait", type=float, default=30.0, help="seconds a request may wait in the queue"
+    )
+    _add_cpu_arguments(parser)
     parser.add_argument(
         "--prefill-block",
         type=int,
@@ -102,17 +206,37 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens fed with the first token's forward pass "
         "(default: 1024 on CUDA, 64 on another GPU, else 1)",
     )
-    parser.add_argument("--max-tokens", type=int, default=None, help="server-wide cap")
-    parser.add_argument("--default-max-tokens", type=int, default=256)
-    parser.add_argument("--max-kv-size", type=int, default=None)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="server-wide cap on a request's max_tokens (default: none beyond the context)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        help="max_tokens of a request that gives none",
+    )
+    parser.add_argument(
+        "--max-kv-size",
+        type=int,
+        default=None,
+        help="tokens a request's KV cache keeps, in a rotating cache (default: unbounded)",
+    )
     parser.add_argument(
         "--cache-memory-mb",
         type=float,
         default=None,
-        help="memory for the prefix KV cache in MiB (default: half the model's weights, "
-        "256 MiB to 8 GiB; 0 disables it)",
+        help="memory for the prefix KV cache in MiB; 0 disables it "
+        "(default: half the model's weights, 256 MiB to 8 GiB)",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest request body accepted; larger ones get 413",
+    )
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -124,32 +248,68 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log more"
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log at debug level, and print the traceback of an error",
+    )
+    common.add_argument(
+        "--log-level",
+        choices=log_setup.LEVELS,
+        default=argparse.SUPPRESS,
+        help="trio-mlx's log level (default: info for serve, warning otherwise)",
+    )
+    common.add_argument(
+        "--log-format",
+        choices=log_setup.FORMATS,
+        default=argparse.SUPPRESS,
+        help="text lines, or one JSON object a line (default: text)",
     )
     parser = argparse.ArgumentParser(
-        prog="trio-mlx", description=__doc__.split("\n")[0], parents=[common]
+        prog="trio-mlx",
+        description=__doc__.split("\n")[0],
+        parents=[common],
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server", parents=[common]
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server.",
+        parents=[common],
+        formatter_class=HelpFormatter,
     )
     _add_serve_arguments(serve)
 
     generate = commands.add_parser(
-        "generate", help="stream one completion to the terminal", parents=[common]
+        "generate",
+        help="stream one completion to the terminal",
+        description="Stream one completion to the terminal.",
+        parents=[common],
+        formatter_class=HelpFormatter,
     )
-    generate.add_argument("prompt")
-    generate.add_argument("--model", default=None, help="model spec (default: bundled SmolLM2)")
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument(
+        "--model",
+        default=os.environ.get("TRIO_MLX_MODEL") or None,
+        help="model spec, as serve's MODEL; env TRIO_MLX_MODEL (default: the bundled SmolLM2)",
+    )
     generate.add_argument("--chat", action="store_true", help="send PROMPT as a user message")
-    generate.add_argument("--prefill-step-size", type=int, default=2048)
+    _add_cpu_arguments(generate)
     _add_sampling_arguments(generate)
 
     convert = commands.add_parser(
-        "convert", help="convert a GGUF file to an mlx-lm directory", parents=[common]
+        "convert",
+        help="convert a GGUF file to an mlx-lm directory",
+        description="Convert a GGUF file to an mlx-lm directory.",
+        parents=[common],
+        formatter_class=HelpFormatter,
     )
-    convert.add_argument("gguf")
-    convert.add_argument("out_dir")
+    convert.add_argument("gguf", help="the .gguf file")
+    convert.add_argument("out_dir", help="the mlx-lm directory to write")
     return parser
 
 
@@ -157,25 +317,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    verbose = bool(getattr(args, "verbose", False))
+    level = getattr(args, "log_level", None) or (
+        "debug" if verbose else "info" if args.command == "serve" else "warning"
     )
+    log_setup.configure(level, getattr(args, "log_format", "text"))
     try:
         if args.command == "serve":
             from trio_mlx.http.server import run_serve
 
+            _apply_cpu_arguments(args)
             return int(run_serve(args))
         if args.command == "generate":
+            _apply_cpu_arguments(args)
             trio.run(_generate, args)
         elif args.command == "convert":
             _convert(args)
-    except TrioMLXError as exc:
-        print(f"trio-mlx: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return _report(exc, verbose)
     return 0
+
+
+def _report(exc: Exception, verbose: bool) -> int:
+    """Print the error as one line (and its traceback under -v); the exit status."""
+    from trio_mlx.http.preflight import StartupError
+
+    if verbose:
+        traceback.print_exception(exc, file=sys.stderr)
+    if isinstance(exc, StartupError):
+        message, status = str(exc), exc.exit_code
+    elif isinstance(exc, TrioMLXError):
+        message, status = str(exc), 1
+    elif isinstance(exc, MemoryError):
+        message = "not enough memory; close other programs or use a smaller or quantized model"
+        status = 1
+    else:
+        message, status = f"{type(exc).__name__}: {exc}", 1
+    hint = "" if verbose else " (-v shows the traceback)"
+    if isinstance(exc, TrioMLXError):
+        hint = ""
+    print(f"trio-mlx: error: {message}{hint}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,6 +29,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
+    assert isinstance(error["code"], str) and error["code"], error  # every error names a code
     return error  # type: ignore[no-any-return]
 
 
@@ -41,6 +42,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
         (
             {
                 "messages": [

@@ -69,7 +69,18 @@ def test_sigterm_drains_then_exits_zero(tiny_model_dir: Path, timeout: float) ->
     assert "prompt=" in log and "completion=" in log
 
 
-def test_new_connections_are_refused_while_draining(tiny_model_dir: Path) -> None:
+def wait_for_health(url: str, status: int, limit: float = 30.0) -> httpx.Response:
+    """Poll /health until it answers `status` (bounded); the response."""
+    deadline = time.monotonic() + limit
+    with httpx.Client(base_url=url, timeout=10) as http:
+        while True:
+            response = http.get("/health")
+            if response.status_code == status or time.monotonic() > deadline:
+                return response
+            time.sleep(0.02)
+
+
+def test_health_answers_503_while_draining_and_new_work_is_refused(tiny_model_dir: Path) -> None:
     with serve_process(tiny_model_dir, "--shutdown-timeout", "60") as (process, url):
         with (
             httpx.Client(base_url=url, timeout=60) as http,
@@ -78,7 +89,37 @@ def test_new_connections_are_refused_while_draining(tiny_model_dir: Path) -> Non
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             process.send_signal(signal.SIGTERM)
-            assert refuses_connections(url), "the listener stayed open while draining"
+            health = wait_for_health(url, 503)
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "server_draining"
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
+        finish = json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"]
+        assert finish == "length"  # the stream in flight finished in full
         assert process.wait(timeout=60) == 0
+
+
+def test_a_second_signal_ends_streams_with_an_error_event_and_exits_non_zero(
+    tiny_model_dir: Path,
+) -> None:
+    with serve_process(tiny_model_dir, "--shutdown-timeout", "600") as (process, url):
+        body = {**LONG, "max_tokens": 100_000}
+        with (
+            httpx.Client(base_url=url, timeout=60) as http,
+            http.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)
+            assert wait_for_health(url, 503).json()["status"] == "draining"
+            process.send_signal(signal.SIGTERM)
+            rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]" and rest.count("[DONE]") == 1
+        assert json.loads(rest[-2])["error"]["code"] == "aborted"
+        code = process.wait(timeout=60)
+        assert process.stderr is not None
+        log = process.stderr.read()
+    assert code == 128 + signal.SIGTERM, log[-3000:]
+    assert "second SIGTERM" in log

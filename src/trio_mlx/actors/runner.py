@@ -338,7 +338,7 @@ class Runner:
             block=block,
             trimmable=info.cache_support is not None and info.cache_support.trimmable,
         )
-        log.info("prefill plan: %s", self._prefill_plan)
+        log.debug("prefill plan: %s", self._prefill_plan)
         assert self._token is not None
         deliver = self._token.run_sync_soon
         self.info = info  # before any job can arrive: jobs come after `started`

@@ -83,8 +83,11 @@ def fetch_default_gguf(dest: Path) -> Path:
 
 
 def _announce(message: str) -> None:
-    log.info("%s", message)
-    print(message, file=sys.stderr, flush=True)
+    """Say `message` once on stderr: through logging where a handler shows it, else printed."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info("%s", message.removeprefix("trio-mlx: "))
+    else:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _run_pip_download(dest_dir: Path) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trio_mlx.engine.cpu_path import prepare_cpu_model
 from trio_mlx.engine.model_spec import ResolvedModel, resolve_model_path
 from trio_mlx.errors import ModelLoadError
 
@@ -42,6 +43,19 @@ def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
     return 4096
 
 
+def _silence_length_warning(tokenizer: Any) -> None:
+    """Mark transformers' "Token indices sequence length is longer than ..." as already given.
+
+    The engine measures every prompt against the context itself and refuses one that does not
+    fit with a 400; the tokenizer's warning (it compares with `model_max_length`) would only
+    mislead.
+    """
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    warned = getattr(hf, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+
+
 def load_model(spec: str | Path | None) -> LoadedModel:
     """Resolve `spec` (see `resolve_model_path`) and load it with mlx-lm.
 
@@ -57,11 +71,15 @@ def load_model(spec: str | Path | None) -> LoadedModel:
         raise
     except Exception as exc:
         raise ModelLoadError(f"{resolved.path}: cannot load the model: {exc}") from exc
+    model, cpu = prepare_cpu_model(model)
+    if cpu is not None:
+        log.info("%s", cpu.log_line())
     try:
         config = json.loads((resolved.path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{resolved.path}/config.json: {exc}") from exc
     eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+    _silence_length_warning(tokenizer)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -30,10 +30,12 @@ from trio_mlx.http.errors import (
     NOT_FOUND,
     SERVER_ERROR,
     APIError,
+    default_code,
     error_body,
     from_validation_error,
 )
 from trio_mlx.http.generation import SSE_HEADERS, sse_event
+from trio_mlx.http.in_flight import CountInFlight
 from trio_mlx.http.metrics import Metrics
 from trio_mlx.http.objects import Health, ModelCard, ModelList
 from trio_mlx.http.openapi import openapi_document
@@ -57,8 +59,8 @@ def create_app(state: ServerState) -> QuartTrio:
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
     metrics = Metrics()
-    app.asgi_app = FinishResponses(  # type: ignore[method-assign,assignment]
-        AccessLog(RequestOwner(app.asgi_app), metrics.observe)
+    app.asgi_app = CountInFlight(  # type: ignore[method-assign,assignment]
+        FinishResponses(AccessLog(RequestOwner(app.asgi_app), metrics.observe)), state
     )
     _routes(app, state, metrics)
     _error_handlers(app)
@@ -308,13 +310,15 @@ def _error_handlers(app: QuartTrio) -> None:
             kind, code = INVALID_REQUEST, "request_too_large"
         else:
             message = exc.description or exc.name
-            kind, code = (SERVER_ERROR if status >= 500 else INVALID_REQUEST), None
+            kind, code = (SERVER_ERROR if status >= 500 else INVALID_REQUEST), default_code(status)
         return _json(error_body(message, type=kind, code=code), status=status, headers=headers)
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return _json(
-            error_body(f"internal error: {type(exc).__name__}", type=SERVER_ERROR),
+            error_body(
+                f"internal error: {type(exc).__name__}", type=SERVER_ERROR, code="internal_error"
+            ),
             status=500,
         )

@@ -69,6 +69,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                             400,
                             "a text part needs `text`",
                             param=f"messages[{i}].content[{j}].text",
+                            code="missing_required_parameter",
                         )
                     texts.append(part.text)
                 else:
@@ -84,7 +85,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             text = content
         if text is None and message.role not in ("assistant", "tool"):
             raise APIError(
-                400, f"a {message.role} message needs content", param=f"messages[{i}].content"
+                400,
+                f"a {message.role} message needs content",
+                param=f"messages[{i}].content",
+                code="missing_required_parameter",
             )
         item: dict[str, Any] = {
             "role": "system" if message.role == "developer" else message.role,

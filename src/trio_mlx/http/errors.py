@@ -46,12 +46,32 @@ class APIError(Exception):
         self.message = message
         self.type = type
         self.param = param
-        self.code = code
+        self.code = code or default_code(status)
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         """The JSON body: `{"error": {...}}`."""
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+#: The `code` of an error raised without one, by status: every error body names a code.
+DEFAULT_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "unavailable",
+}
+
+
+def default_code(status: int) -> str:
+    """The `code` for an error of `status` raised without one."""
+    return DEFAULT_CODES.get(status, "internal_error" if status >= 500 else "invalid_request")
 
 
 def error_body(

@@ -4,12 +4,16 @@ Order of life:
 1. the listener is bound and `task_status.started(RunningServer)` is reported at once, so
    `/health` answers 503 while the model loads;
 2. the engine is opened (`open_engine`) beside the server; routes use it once it is ready;
-3. on `RunningServer.shutdown()` (the CLI calls it on SIGINT/SIGTERM) the server stops accepting
-   connections and new requests get 503; streams in flight may finish for `shutdown_timeout`
-   seconds, then the engine is closed, which ends each of them with an error event and
-   `[DONE]`; once every connection has drained, the engine stops. A second signal stops at once.
+3. on `RunningServer.shutdown()` (the CLI calls it on the first SIGINT/SIGTERM) the server keeps
+   listening but refuses new work: `/health` and every new request get 503. Requests in flight
+   may finish for `shutdown_timeout` seconds; then the engine is closed, which ends each stream
+   still running with an error event and `[DONE]`; once they have been written (at most
+   `FINAL_WRITE_GRACE` seconds) the listener closes and `serve_http` returns;
+4. `RunningServer.abort()` (the CLI's second signal) skips the wait of step 3: streams end with
+   their error event and `[DONE]` at once.
 
-A model that fails to load stops the server and `serve_http` raises the load error.
+A model that fails to load stops the server and `serve_http` raises the load error. A shutdown
+while the model is still loading stops the load.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -33,6 +36,13 @@ from trio_mlx.actors.supervisor import open_engine
 from trio_mlx.config import SERVER_PROCESS_SETTINGS
 from trio_mlx.engine.loading import load_model
 from trio_mlx.http.app import create_app
+from trio_mlx.http.preflight import (
+    StartupError,
+    bind_error,
+    check_listen,
+    check_model,
+    first_os_error,
+)
 from trio_mlx.http.state import ServerSettings, ServerState
 
 log = logging.getLogger("trio_mlx.server")
@@ -43,75 +53,123 @@ FINAL_WRITE_GRACE = 3.0
 
 @dataclass
 class RunningServer:
-    """A started server: where it listens, its state, and how to stop it gracefully."""
+    """A started server: where it listens, its state, and how to stop it."""
 
     url: str
     state: ServerState
+    #: Drain: refuse new work, let requests in flight finish for `shutdown_timeout` seconds.
     shutdown: Callable[[], None]
+    #: Stop now: streams in flight end with an error event and `[DONE]`.
+    abort: Callable[[], None]
 
 
 async def serve_http(
     settings: ServerSettings,
     *,
     loader: ModelLoader = load_model,
+    on_ready: Callable[[RunningServer], None] | None = None,
     task_status: trio.TaskStatus[RunningServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until `shutdown()` (graceful) or cancellation (immediate)."""
+    """Serve until `shutdown()` / `abort()` or cancellation (immediate).
+
+    `on_ready(server)` is called once the model has loaded.
+    """
     state = ServerState(settings)
     app = create_app(state)
     config = HypercornConfig()
     config.bind = [_bind(settings.host, settings.port)]
-    config.graceful_timeout = settings.shutdown_timeout + FINAL_WRITE_GRACE
+    config.graceful_timeout = FINAL_WRITE_GRACE
     config.accesslog = None  # our own access log has tokens and timings
     config.errorlog = logging.getLogger("hypercorn.error")
     stop = trio.Event()
-    http_stopped = trio.Event()
+    stop_now = trio.Event()
+    close_listener = trio.Event()
+    load_scope = trio.CancelScope()
     load_error: list[BaseException] = []
+    running: list[RunningServer] = []
 
     def shutdown() -> None:
-        if not stop.is_set():
+        if not stop.is_set() and state.load_error is None:
             log.info("shutting down: draining for up to %.1f s", settings.shutdown_timeout)
         state.draining = True
         stop.set()
+        if state.engine is None:
+            load_scope.cancel()
+
+    def abort() -> None:
+        shutdown()
+        stop_now.set()
+
+    async def drain(engine_close: Callable[[], None]) -> None:
+        with trio.move_on_after(settings.shutdown_timeout):
+            async with trio.open_nursery() as waits:
+
+                async def idle() -> None:
+                    await state.wait_idle()
+                    waits.cancel_scope.cancel()
+
+                async def now() -> None:
+                    await stop_now.wait()
+                    waits.cancel_scope.cancel()
+
+                waits.start_soon(idle)
+                waits.start_soon(now)
+        if state.in_flight:
+            log.info("ending %d request(s) still in flight", state.in_flight)
+        engine_close()  # streams still running end with an error event and [DONE]
+        with trio.move_on_after(FINAL_WRITE_GRACE):
+            await state.wait_idle()
 
     async def run_engine() -> None:
         started = time.monotonic()
         try:
-            async with open_engine(
-                settings.model, loader=loader, **settings.engine_options
-            ) as engine:
-                state.engine = engine
-                state.ready.set()
-                log.info(
-                    "model %s ready (%.1f s); serving as %s",
-                    engine.model_name,
-                    time.monotonic() - started,
-                    ", ".join(state.model_names),
-                )
-                await stop.wait()
-                with trio.move_on_after(settings.shutdown_timeout):
-                    await http_stopped.wait()
-                engine.close()  # streams still running end with an error event and [DONE]
-                await http_stopped.wait()
+            with load_scope:
+                async with open_engine(
+                    settings.model, loader=loader, **settings.engine_options
+                ) as engine:
+                    state.engine = engine
+                    state.ready.set()
+                    log.info(
+                        "model %s ready (%.1f s); serving as %s",
+                        engine.model_name,
+                        time.monotonic() - started,
+                        ", ".join(state.model_names),
+                    )
+                    if on_ready is not None and running:
+                        on_ready(running[0])
+                    await stop.wait()
+                    await drain(engine.close)
         except Exception as exc:
             if state.engine is None:
                 state.load_error = exc
                 load_error.append(exc)
-                log.error("the model failed to load: %s", exc)
+                log.debug("the model failed to load: %s", exc)
                 shutdown()
             else:
                 raise
+        finally:
+            close_listener.set()
 
     async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
-        try:
-            await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
-        finally:
-            http_stopped.set()
+        await hypercorn_serve(
+            app, config, shutdown_trigger=close_listener.wait, task_status=task_status
+        )
 
+    bind_failure: list[StartupError] = []
     async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(run_http)
-        nursery.start_soon(run_engine)
-        task_status.started(RunningServer(url=binds[0], state=state, shutdown=shutdown))
+        try:
+            binds: list[str] = await nursery.start(run_http)
+        except (OSError, BaseExceptionGroup) as exc:
+            if first_os_error(exc) is None:
+                raise
+            bind_failure.append(bind_error(settings.host, settings.port, exc))
+        else:
+            server = RunningServer(url=binds[0], state=state, shutdown=shutdown, abort=abort)
+            running.append(server)
+            nursery.start_soon(run_engine)
+            task_status.started(server)
+    if bind_failure:
+        raise bind_failure[0]
     if load_error:
         raise load_error[0]
 
@@ -149,36 +207,54 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """`trio-mlx serve`: serve until SIGINT/SIGTERM, drain, exit 0 (1 if the model failed)."""
-    for name in ("trio_mlx", "hypercorn.error"):
-        logging.getLogger(name).setLevel(logging.INFO)
-    return trio.run(_serve_until_signalled, settings_from_args(args))
+    """`trio-mlx serve`: check, serve until a signal, drain; the exit status.
+
+    0 after a drain; 1 when the model failed to load; 128 + the signal's number when a second
+    signal cut streams short. `StartupError` (a busy port, a bad host, a missing model...)
+    propagates to the CLI, which prints its one line.
+    """
+    settings = settings_from_args(args)
+    check_listen(settings.host, settings.port)
+    check_model(settings.model)
+    return trio.run(_serve_until_signalled, settings)
 
 
 async def _serve_until_signalled(settings: ServerSettings) -> int:
     failure: list[BaseException] = []
+    aborted: list[int] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 
+            def ready(server: RunningServer) -> None:
+                log.info("listening on %s", server.url)
+
             async def serve(task_status: trio.TaskStatus[RunningServer]) -> None:
                 try:
-                    await serve_http(settings, task_status=task_status)
+                    await serve_http(settings, on_ready=ready, task_status=task_status)
                 except Exception as exc:
                     failure.append(exc)
                 finally:
                     nursery.cancel_scope.cancel()
 
             server: RunningServer = await nursery.start(serve)
-            print(f"trio-mlx: listening on {server.url}", file=sys.stderr, flush=True)
-            nursery.start_soon(partial(_on_signals, signals, server, nursery.cancel_scope))
+            log.info(
+                "loading %s; %s answers 503 until it is ready",
+                settings.model or "the bundled model",
+                server.url,
+            )
+            nursery.start_soon(partial(_on_signals, signals, server, nursery.cancel_scope, aborted))
     if failure:
-        print(f"trio-mlx: error: {failure[0]}", file=sys.stderr)
-        return 1
-    return 0
+        if isinstance(failure[0], StartupError):
+            raise failure[0]
+        message = str(failure[0])
+        if not message.startswith("the model"):
+            message = f"the model failed to load: {message}"
+        raise StartupError(message, exit_code=1) from failure[0]
+    return 128 + aborted[0] if aborted else 0
 
 
 async def _on_signals(
-    signals: AsyncIterator[int], server: RunningServer, scope: trio.CancelScope
+    signals: AsyncIterator[int], server: RunningServer, scope: trio.CancelScope, aborted: list[int]
 ) -> None:
     count = 0
     async for signum in signals:
@@ -186,6 +262,9 @@ async def _on_signals(
         if count == 1:
             log.info("received %s", signal.Signals(signum).name)
             server.shutdown()
+        elif count == 2:
+            log.warning("second %s: ending the requests in flight now", signal.Signals(signum).name)
+            aborted.append(signum)
+            server.abort()
         else:
-            log.warning("second signal: stopping now")
             scope.cancel()

@@ -44,6 +44,10 @@ class ServerState:
         self.draining = False
         #: Set once the model is loaded and the engine serves.
         self.ready = trio.Event()
+        #: HTTP requests and WebSockets whose response has not ended (`http.in_flight`).
+        self.in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
         self.created = int(time.time())
 
     @property
@@ -64,8 +68,33 @@ class ServerState:
             return "dead"
         return "draining" if self.draining else "ready"
 
+    def request_started(self) -> None:
+        if self.in_flight == 0:
+            self._idle = trio.Event()
+        self.in_flight += 1
+
+    def request_ended(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight."""
+        while self.in_flight:
+            await self._idle.wait()
+
     def engine_for(self, model: str | None) -> tuple[Engine, str]:
-        """The engine and the name to report for a request naming `model` (None: the default)."""
+        """The engine and the name to report for a request naming `model` (None: the default).
+
+        Refuses with 503 while the model loads, after it failed, and while the server drains.
+        """
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down and accepts no new requests",
+                type=UNAVAILABLE,
+                code="server_draining",
+            )
         engine = self.engine
         if engine is None:
             if self.load_error is not None:
