@@ -32,6 +32,16 @@ class EngineConfig:
     - `cache_memory_bytes`: memory budget of the prefix KV cache (snapshots of computed prompts
       reused by later requests that start with the same tokens). None: half the size of the
       model's weights, between 256 MiB and 8 GiB; 0 disables the cache.
+    - `max_num_seqs`: up to this many sequences decode together, one forward pass per step
+      (continuous batching); 1 is the serialized route, one generation at a time. None: 1 on the
+      CPU (MLX's CPU step time grows linearly with the batch, so batching cannot pay there) and
+      `batch.GPU_MAX_NUM_SEQS` on a GPU.
+    - `kv_memory_bytes`: memory budget for the running sequences' KV caches, each counted at its
+      token limit (prompt + max_tokens, bounded by `max_kv_size`); admission queues or refuses a
+      request that would exceed it. None: half of the device's memory left after the weights
+      (the machine's memory on the CPU); 0: no accounting.
+    - `prefill_chunk_seconds`: a prefill chunk is sized to take about this long (measured), so
+      an abort or a cancel frees the runner within about that time on any backend.
     - `gil_switch_interval`: while the engine runs, lower `sys.setswitchinterval` to this (seconds)
       so that tokens reach the event loop without waiting for the runner thread's GIL slice;
       None leaves the interpreter's setting alone.
@@ -48,6 +58,9 @@ class EngineConfig:
     max_tokens_limit: int | None = None
     max_kv_size: int | None = None
     cache_memory_bytes: int | None = None
+    max_num_seqs: int | None = None
+    kv_memory_bytes: int | None = None
+    prefill_chunk_seconds: float = 0.25
     gil_switch_interval: float | None = 0.0005
 
     @property
@@ -77,6 +90,12 @@ class EngineConfig:
             or self.cache_memory_bytes < 0
         ):
             raise ValueError("cache_memory_bytes must be an integer >= 0 (0 disables the cache)")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 0:
+            raise ValueError("kv_memory_bytes must be >= 0 (0: no accounting)")
+        if self.prefill_chunk_seconds <= 0:
+            raise ValueError("prefill_chunk_seconds must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if self.admission == "wait" and self.max_waiting == 0:

@@ -53,6 +53,7 @@ from typing import Any
 import outcome
 import trio
 
+from trio_mlx.actors.batch_loop import serve_batched
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo, describe
@@ -63,9 +64,12 @@ from trio_mlx.actors.runner_threads import (
 )
 from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
+from trio_mlx.engine.batch import batchable
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.mlx_cuda import apply_serving_defaults
+from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason, TokenLogprob
 
@@ -137,6 +141,13 @@ class RunnerCounters:
     failed: int = 0
     busy_seconds: float = 0.0
     live: int = 0
+    #: sequences in the decode batch / prefilling to join it (batched route)
+    decoding: int = 0
+    prefilling: int = 0
+    #: decode steps by batch size (batched route: rows in the step's forward pass)
+    batch_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: memory of the live sequences' KV caches (batched route; bytes)
+    kv_bytes: int = 0
 
 
 class Runner:
@@ -150,9 +161,18 @@ class Runner:
         prefill_block: int | None = None,
         fused_tail_tokens: int | None = None,
         max_kv_size: int | None = None,
+        max_num_seqs: int = 1,
+        prefill_chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
         loader: ModelLoader = load_model,
     ) -> None:
         self._model_spec = model
+        self.max_num_seqs = max_num_seqs
+        self._chunk_seconds = prefill_chunk_seconds
+        self.pacer = PrefillPacer(prefill_step_size, target_seconds=prefill_chunk_seconds)
+        #: KV cache bytes per token of one sequence (measured once the model is loaded)
+        self.kv_bytes_per_token = 0
+        #: whether the batched route serves (max_num_seqs > 1 and a cache that can be merged)
+        self.batching = False
         self._prefill_options = (prefill_step_size, fused_tail_tokens, prefill_block)
         self._prefill_plan = PrefillPlan(prefill_step_size)  # chosen again once a model is loaded
         self._max_kv_size = max_kv_size
@@ -325,78 +345,105 @@ class Runner:
             block=block,
             trimmable=info.cache_support is not None and info.cache_support.trimmable,
         )
-        log.info("prefill plan: %s", self._prefill_plan)
+        log.debug("prefill plan: %s", self._prefill_plan)
+        self.pacer = PrefillPacer(
+            self._prefill_plan.step,
+            block=self._prefill_plan.block,
+            target_seconds=self._chunk_seconds,
+        )
+        self.kv_bytes_per_token, mergeable = _probe_cache(loaded.model, self._max_kv_size)
+        self.batching = self.max_num_seqs > 1 and mergeable
+        if self.max_num_seqs > 1 and not mergeable:
+            log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
         trio.from_thread.run_sync(report_ready, info, trio_token=self._token)
+        with mx.stream(runner_stream()):
+            if self.batching:
+                serve_batched(self, loaded)
+            else:
+                self._serve_serialized(loaded)
+
+    def _emit(
+        self,
+        events: list[SequenceEvent],
+        stores: list[tuple[Any, CacheKind, int | None]],
+    ) -> None:
+        """Hand a step's events to Trio and take its snapshots. Tokens first: a snapshot must
+        not delay them. Finishes after the snapshots: a finished request's entries are in the
+        book when it ends."""
         assert self._token is not None
         deliver = self._token.run_sync_soon
+        if stores:
+            tokens_only = tuple(e for e in events if e.finish is None)
+            if tokens_only:
+                deliver(self._deliver, tokens_only)
+            for seq, kind, length in stores:
+                self._snapshots.store(seq, kind, length)
+            events = [e for e in events if e.finish is not None]
+        if events:
+            deliver(self._deliver, tuple(events))
+
+    def _serve_serialized(self, loaded: LoadedModel) -> None:
+        """The serialized route: each live sequence steps on its own (`ActiveSequence`)."""
         live: dict[int, ActiveSequence] = {}
         counters = self.counters
-        with mx.stream(runner_stream()):
-            while True:
-                if self._stop.is_set() or (not live and not self._wait_for_command()):
-                    return
-                events = self._take_commands(live, loaded)
-                if not live:
-                    if events:
-                        deliver(self._deliver, tuple(events))
-                    continue
-                began = time.perf_counter()
-                stores: list[tuple[ActiveSequence, CacheKind, int | None]] = []
-                for request_id, seq in list(live.items()):
-                    prefill = seq.in_prefill
-                    try:
-                        result = seq.step()
-                    except Exception as exc:
-                        log.exception("request %d failed inside the model", request_id)
-                        del live[request_id]
-                        counters.failed += 1
-                        events.append(
-                            SequenceEvent(
-                                request_id,
-                                finish="error",
-                                error=f"{type(exc).__name__}: {exc}",
-                                cached_tokens=seq.cached_tokens,
-                            )
-                        )
-                        continue
-                    counters.prompt_tokens += result.prefilled
+        pacer = self.pacer
+        while True:
+            if self._stop.is_set() or (not live and not self._wait_for_command()):
+                return
+            events = self._take_commands(live, loaded)
+            if not live:
+                self._emit(events, [])
+                continue
+            began = time.perf_counter()
+            stores: list[tuple[Any, CacheKind, int | None]] = []
+            for request_id, seq in list(live.items()):
+                prefill = seq.in_prefill
+                try:
+                    chunk_began = time.perf_counter()
+                    result = seq.step(pacer.chunk_tokens() if prefill else None)
                     if prefill and not result.tokens and result.finish is None:
-                        counters.prefill_chunks += 1
-                    else:
-                        counters.decode_steps += 1
-                    counters.generated_tokens += len(result.tokens)
-                    last = len(seq.job.prompt_tokens) - 1
-                    for point in result.store_points:
-                        stores.append((seq, "prompt" if point == last else "system", point))
-                    if result.finish is not None:
-                        del live[request_id]
-                        stores.append((seq, "conversation", None))
-                    if result.tokens or result.finish is not None:
-                        finish: FinishReason | None = result.finish  # type: ignore[assignment]
-                        events.append(
-                            SequenceEvent(
-                                request_id,
-                                result.tokens,
-                                finish,
-                                None,
-                                result.logprobs,
-                                seq.cached_tokens,
-                            )
+                        pacer.observe_chunk(result.prefilled, time.perf_counter() - chunk_began)
+                except Exception as exc:
+                    log.exception("request %d failed inside the model", request_id)
+                    del live[request_id]
+                    counters.failed += 1
+                    events.append(
+                        SequenceEvent(
+                            request_id,
+                            finish="error",
+                            error=f"{type(exc).__name__}: {exc}",
+                            cached_tokens=seq.cached_tokens,
                         )
-                counters.steps += 1
-                counters.live = len(live)
-                if stores:
-                    # Tokens first: a snapshot must not delay them. Finishes after the
-                    # snapshots: a finished request's entries are in the book when it ends.
-                    tokens_only = tuple(e for e in events if e.finish is None)
-                    if tokens_only:
-                        deliver(self._deliver, tokens_only)
-                    for seq, kind, length in stores:
-                        self._snapshots.store(seq, kind, length)
-                    events = [e for e in events if e.finish is not None]
-                counters.busy_seconds += time.perf_counter() - began
-                if events:
-                    deliver(self._deliver, tuple(events))
+                    )
+                    continue
+                counters.prompt_tokens += result.prefilled
+                if prefill and not result.tokens and result.finish is None:
+                    counters.prefill_chunks += 1
+                else:
+                    counters.decode_steps += 1
+                counters.generated_tokens += len(result.tokens)
+                last = len(seq.job.prompt_tokens) - 1
+                for point in result.store_points:
+                    stores.append((seq, "prompt" if point == last else "system", point))
+                if result.finish is not None:
+                    del live[request_id]
+                    stores.append((seq, "conversation", None))
+                if result.tokens or result.finish is not None:
+                    finish: FinishReason | None = result.finish  # type: ignore[assignment]
+                    events.append(
+                        SequenceEvent(
+                            request_id,
+                            result.tokens,
+                            finish,
+                            None,
+                            result.logprobs,
+                            seq.cached_tokens,
+                        )
+                    )
+            counters.steps += 1
+            counters.live = len(live)
+            self._emit(events, stores)
+            counters.busy_seconds += time.perf_counter() - began
 
     def _take_commands(
         self, live: dict[int, ActiveSequence], loaded: LoadedModel
@@ -448,3 +495,23 @@ class Runner:
                 )
         self.counters.live = len(live)
         return events
+
+
+def _probe_cache(model: Any, max_kv_size: int | None) -> tuple[int, bool]:
+    """KV cache bytes per token of one sequence (one position through a fresh cache), and
+    whether the cache can be merged into a batch. (0, False) when the probe fails."""
+    import mlx.core as mx
+
+    try:
+        cache = make_cache(model, max_kv_size)
+        model(mx.array([[0]], dtype=mx.uint32), cache=cache)
+        per_token = 0
+        for layer in cache:
+            for name in ("keys", "values"):
+                array = getattr(layer, name, None)
+                if array is not None and hasattr(array, "shape") and len(array.shape) == 4:
+                    per_token += int(array.nbytes) // int(array.shape[2])
+        return per_token, batchable(cache)
+    except Exception:
+        log.exception("probing the KV cache failed")
+        return 0, False
