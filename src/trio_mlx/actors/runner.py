@@ -351,7 +351,9 @@ class Runner:
             block=self._prefill_plan.block,
             target_seconds=self._chunk_seconds,
         )
-        self.kv_bytes_per_token, mergeable = _probe_cache(loaded.model, self._max_kv_size)
+        self.kv_bytes_per_token, mergeable = _probe_cache(
+            loaded.model, self._max_kv_size, self.pacer
+        )
         self.batching = self.max_num_seqs > 1 and mergeable
         if self.max_num_seqs > 1 and not mergeable:
             log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
@@ -497,14 +499,26 @@ class Runner:
         return events
 
 
-def _probe_cache(model: Any, max_kv_size: int | None) -> tuple[int, bool]:
+#: Prompt tokens of the timed forward pass at load that gives the pacer its first prefill rate.
+CALIBRATION_TOKENS = 8
+
+
+def _probe_cache(model: Any, max_kv_size: int | None, pacer: PrefillPacer) -> tuple[int, bool]:
     """KV cache bytes per token of one sequence (one position through a fresh cache), and
-    whether the cache can be merged into a batch. (0, False) when the probe fails."""
+    whether the cache can be merged into a batch. (0, False) when the probe fails. Times a
+    short prefill pass for `pacer`'s first estimate, so that even the first prompt's chunks are
+    sized for this device."""
     import mlx.core as mx
 
     try:
         cache = make_cache(model, max_kv_size)
-        model(mx.array([[0]], dtype=mx.uint32), cache=cache)
+        mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=cache))
+        tokens = max(CALIBRATION_TOKENS, pacer.block)
+        began = time.perf_counter()
+        timed = make_cache(model)
+        model(mx.zeros((1, tokens), dtype=mx.uint32), cache=timed)
+        mx.eval([c.state for c in timed])  # as a prefill chunk: the cache, not the logits
+        pacer.observe_chunk(tokens, time.perf_counter() - began)
         per_token = 0
         for layer in cache:
             for name in ("keys", "values"):

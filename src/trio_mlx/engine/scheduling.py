@@ -10,9 +10,10 @@ long prompt arriving lengthens each of their inter-token gaps by a bounded facto
 mixed with decode).
 
 The pacer learns the prefill rate (prompt tokens per second, an exponential moving average over
-chunks) and the decode step time; it starts with a small first chunk and grows at most
-`growth`-fold per chunk, so a fast device reaches its largest chunk in a few chunks and a slow one
-never runs a long first chunk.
+chunks) and the decode step time. The runner gives it a first rate at load, from one short timed
+pass (`runner.CALIBRATION_TOKENS`); without one it starts with `first_tokens`. A small pass
+underestimates a GPU's rate (it is launch-bound), which only makes the next chunk smaller than it
+could be; the one after is sized from that chunk's own time.
 """
 
 from __future__ import annotations
@@ -41,13 +42,11 @@ class PrefillPacer:
     target_seconds: float = DEFAULT_CHUNK_SECONDS
     decode_share: float = 2.0
     first_tokens: int = 16
-    growth: float = 8.0
     smoothing: float = 0.5
     #: prompt tokens per second, learned (None: nothing measured yet)
     rate: float | None = None
     #: seconds of one batched decode step, learned (None: nothing measured yet)
     decode_step: float | None = None
-    _last_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.block < 1 or self.target_seconds <= 0:
@@ -65,8 +64,6 @@ class PrefillPacer:
             tokens = self.first_tokens
         else:
             tokens = int(self.rate * self.budget_seconds(decoding))
-            if self._last_chunk:
-                tokens = min(tokens, int(self._last_chunk * self.growth))
         tokens = max(1, min(tokens, self.max_tokens))
         if self.block > 1:
             tokens = max(self.block, tokens - tokens % self.block)
@@ -76,7 +73,6 @@ class PrefillPacer:
         """A prefill chunk of `tokens` took `seconds`."""
         if tokens <= 0:
             return
-        self._last_chunk = max(self._last_chunk, tokens)
         rate = tokens / max(seconds, 1e-6)
         self.rate = rate if self.rate is None else _blend(self.rate, rate, self.smoothing)
 
