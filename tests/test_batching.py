@@ -12,6 +12,7 @@ import trio
 
 import trio_mlx
 from model_wrappers import GatedModel, wrapping_loader
+from servers import eventually
 
 PROMPTS = [
     "Hello",
@@ -47,9 +48,7 @@ async def together(engine: trio_mlx.Engine, prompts: list[str], **sampling: Any)
 async def assert_idle(engine: trio_mlx.Engine) -> None:
     """Nothing holds a slot, nothing waits, and the runner's batch empties (its counters are
     updated at the end of the step that delivered the last finish)."""
-    with trio.fail_after(10):
-        while engine.get_stats()["runner"]["live_sequences"]:
-            await trio.sleep(0.005)
+    await eventually(lambda: not engine.get_stats()["runner"]["live_sequences"])
     stats = engine.get_stats()
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["slot_holders"] == []
     assert stats["runner"]["live_sequences"] == 0 and stats["runner"]["requests_in_flight"] == 0
@@ -71,9 +70,7 @@ async def test_eight_prompts_in_one_batch_equal_each_alone(tiny_model_dir: Path)
 
             for i in range(8):
                 nursery.start_soon(one, i)
-            with trio.fail_after(10):
-                while engine.get_stats()["running"] < 8:
-                    await trio.sleep(0.01)
+            await eventually(lambda: engine.get_stats()["running"] == 8)
             gate.set()
         stats = engine.get_stats()
         assert [o.tokens for o in outputs] == expected

@@ -78,8 +78,38 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a name clients may use for the model (repeatable; the first is listed first)",
     )
-    parser.add_argument("--admission", choices=["fail-fast", "wait"], default=None)
-    parser.add_argument("--max-waiting", type=int, default=0, help="queue length in wait mode")
+    parser.add_argument(
+        "--admission",
+        choices=["fail-fast", "wait"],
+        default="wait",
+        help="when every slot is taken: queue the request (wait, the default) or answer 429 at "
+        "once (fail-fast)",
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, default=256, help="queue length in wait mode (default: 256)"
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences decoding together, one forward pass per step (continuous batching); "
+        "1: one at a time (default: 1 on the CPU, 64 on a GPU)",
+    )
+    parser.add_argument(
+        "--kv-memory-mb",
+        type=float,
+        default=None,
+        help="memory for the running sequences' KV caches, each counted at its token limit; "
+        "requests beyond it wait or get 429 (default: half the device memory left after the "
+        "weights; 0: no accounting)",
+    )
+    parser.add_argument(
+        "--prefill-chunk-seconds",
+        type=float,
+        default=0.25,
+        help="prefill chunks are sized to take about this long, so a cancel frees the runner "
+        "within about that time (default: 0.25)",
+    )
     parser.add_argument("--max-wait", type=float, default=30.0, help="seconds a request may wait")
     parser.add_argument("--prefill-step-size", type=int, default=2048)
     parser.add_argument(

@@ -53,7 +53,7 @@ from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.types import TokenLogprob
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
-GPU_MAX_NUM_SEQS = 32
+GPU_MAX_NUM_SEQS = 64
 
 
 def default_max_num_seqs() -> int:
