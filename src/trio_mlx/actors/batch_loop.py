@@ -34,8 +34,20 @@ log = logging.getLogger(__name__)
 _Stores = list[tuple[Any, CacheKind, int | None]]
 
 
+#: MLX's buffer cache while the batched route serves (bytes). Joining, leaving and growing the
+#: batch copy its whole KV cache into arrays of new sizes (mlx-lm's `extend` / `filter`); without a
+#: bound the freed buffers pile up in MLX's cache (80 GB for the 8B bf16 shape at 64 streams on
+#: the H200, until a shared GPU ran out of memory). Per-step temporaries need far less than this.
+BATCH_CACHE_LIMIT = 4 << 30
+
+
 def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
     """Serve `runner`'s commands on this (the runner) thread until it is asked to stop."""
+    import mlx.core as mx
+
+    previous = mx.set_cache_limit(BATCH_CACHE_LIMIT)
+    if previous < BATCH_CACHE_LIMIT:
+        mx.set_cache_limit(previous)  # already lower: keep it
     info = runner.info
     support = info.cache_support if info is not None else None
     plan = runner._prefill_plan
