@@ -43,7 +43,7 @@ for ceiling in ${CEILING_MODELS:-$model}; do
 done
 if [[ -z "${NO_COMPARE:-}" ]]; then
   timeout -s INT $((deadline + 60)) python3 -m bench.compare --model "$model" \
-    --systems http,mlx_lm_server,vllm_mlx --prompt-tokens 128 --max-tokens 256 \
+    --systems "${SYSTEMS:-http,mlx_lm_server,vllm_mlx}" --prompt-tokens 128 --max-tokens 256 \
     --concurrency "${CONCURRENCY:-1,4,16,64}" --repeats "${REPEATS:-2}" --workdir "$WORK" \
     --cell-timeout-s 120 --server-start-timeout-s 180 "${vllm[@]}" \
     --vllm-mlx-args=--continuous-batching --deadline-s "$deadline" \

@@ -16,9 +16,15 @@ Protocol:
   loop). On the Trio side `_deliver` fans it out to each request's `TokenSink`; a sink whose
   consumer has gone makes that request abort at the next step boundary.
 
-A step is one prefill chunk or one decode token for each live sequence (the serialized route has
-at most one). An exception raised by the model fails that request only; anything that kills the
-thread itself fails every live request with `EngineCrashed`.
+Two routes, chosen once the model is loaded:
+- serialized (`max_num_seqs == 1`, or a model whose cache cannot be batched): a step is one prefill
+  chunk or one decode token of the live sequence (`decode.ActiveSequence`);
+- batched (`max_num_seqs > 1`): `batch_loop.serve_batched`, one decode step over every running
+  sequence plus a prefill chunk of those waiting to join (continuous batching).
+Prefill chunks are sized by measured time (`scheduling.PrefillPacer`, calibrated by one short
+timed pass at load), so that an abort takes effect within about `prefill_chunk_seconds` on any
+backend. An exception raised by the model fails the requests it can be attributed to; anything
+that kills the thread itself fails every live request with `EngineCrashed`.
 
 Prefix caching (when a `KVCacheManager` is attached and enabled), through the runner's
 `SnapshotKeeper` (which holds the snapshots and talks to the book):
@@ -64,11 +70,10 @@ from trio_mlx.actors.runner_threads import (
 )
 from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
-from trio_mlx.engine.batch import batchable
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.mlx_cuda import apply_serving_defaults
-from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason, TokenLogprob
@@ -351,7 +356,7 @@ class Runner:
             block=self._prefill_plan.block,
             target_seconds=self._chunk_seconds,
         )
-        self.kv_bytes_per_token, mergeable = _probe_cache(
+        self.kv_bytes_per_token, mergeable = probe_cache(
             loaded.model, self._max_kv_size, self.pacer
         )
         self.batching = self.max_num_seqs > 1 and mergeable
@@ -497,35 +502,3 @@ class Runner:
                 )
         self.counters.live = len(live)
         return events
-
-
-#: Prompt tokens of the timed forward pass at load that gives the pacer its first prefill rate.
-CALIBRATION_TOKENS = 8
-
-
-def _probe_cache(model: Any, max_kv_size: int | None, pacer: PrefillPacer) -> tuple[int, bool]:
-    """KV cache bytes per token of one sequence (one position through a fresh cache), and
-    whether the cache can be merged into a batch. (0, False) when the probe fails. Times a
-    short prefill pass for `pacer`'s first estimate, so that even the first prompt's chunks are
-    sized for this device."""
-    import mlx.core as mx
-
-    try:
-        cache = make_cache(model, max_kv_size)
-        mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=cache))
-        tokens = max(CALIBRATION_TOKENS, pacer.block)
-        began = time.perf_counter()
-        timed = make_cache(model)
-        model(mx.zeros((1, tokens), dtype=mx.uint32), cache=timed)
-        mx.eval([c.state for c in timed])  # as a prefill chunk: the cache, not the logits
-        pacer.observe_chunk(tokens, time.perf_counter() - began)
-        per_token = 0
-        for layer in cache:
-            for name in ("keys", "values"):
-                array = getattr(layer, name, None)
-                if array is not None and hasattr(array, "shape") and len(array.shape) == 4:
-                    per_token += int(array.nbytes) // int(array.shape[2])
-        return per_token, batchable(cache)
-    except Exception:
-        log.exception("probing the KV cache failed")
-        return 0, False
