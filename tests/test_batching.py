@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 import trio_mlx
-from model_wrappers import GatedModel, wrapping_loader
+from model_wrappers import FaultyModel, GatedModel, wrapping_loader
 from servers import eventually
 
 PROMPTS = [
@@ -265,3 +265,81 @@ async def test_kv_memory_budget_queues_instead_of_crashing(tiny_model_dir: Path)
         stats = engine.get_stats()
         assert stats["memory_waits"] >= 1 and stats["busy_rejections"] >= 1
         assert (await engine.generate("Hello", max_tokens=4)).completion_tokens == 4
+
+
+class ForcingProcessor:
+    """Forces `token` for its first `lifetime` calls, then retires (records what it was shown)."""
+
+    def __init__(self, token: int, lifetime: int) -> None:
+        self.token = token
+        self.lifetime = lifetime
+        self.lengths: list[int] = []
+
+    @property
+    def is_retired(self) -> bool:
+        return len(self.lengths) >= self.lifetime
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        assert logits.shape[0] == 1  # its own row of the batch
+        self.lengths.append(int(tokens.shape[0]))
+        return mx.where(mx.arange(logits.shape[-1]) == self.token, 100.0, logits)
+
+
+async def test_a_retiring_processor_shapes_only_its_own_row(tiny_model_dir: Path) -> None:
+    sampling = {"max_tokens": 10, "temperature": 0.0}
+    expected = await alone(tiny_model_dir, PROMPTS[:3], **sampling)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
+        serial = ForcingProcessor(token=42, lifetime=3)
+        request = engine.prepare_generate(PROMPTS[1], **sampling)
+        async with engine.open_stream(
+            dataclasses.replace(request, logits_processors=(serial,))
+        ) as stream:
+            forced_alone = [t async for out in stream for t in out.new_tokens]
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        processor = ForcingProcessor(token=42, lifetime=3)
+        outputs: dict[int, Any] = {}
+
+        async def forced() -> None:
+            request = engine.prepare_generate(PROMPTS[1], **sampling)
+            request = dataclasses.replace(request, logits_processors=(processor,))
+            async with engine.open_stream(request) as stream:
+                outputs[1] = [t async for out in stream for t in out.new_tokens]
+
+        async def run(i: int) -> None:
+            outputs[i] = (await engine.generate(PROMPTS[i], **sampling)).tokens
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, 0)
+            nursery.start_soon(forced)
+            nursery.start_soon(run, 2)
+        assert outputs[1][:3] == [42, 42, 42] and outputs[1] == forced_alone
+        assert processor.lengths == serial.lengths  # shown the same history, then retired
+        assert [outputs[0], outputs[2]] == [expected[0], expected[2]]
+        await assert_idle(engine)
+
+
+async def test_a_prefill_failure_fails_only_its_own_request(tiny_model_dir: Path) -> None:
+    sampling = {"max_tokens": 8, "temperature": 0.0}
+    expected = await alone(tiny_model_dir, [PROMPTS[1], PROMPTS[4]], **sampling)
+    loader, _ = wrapping_loader(lambda inner: FaultyModel(inner, poison=31337))
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4, loader=loader) as engine:
+        outputs: dict[str, Any] = {}
+
+        async def run(name: str, prompt: Any) -> None:
+            async with engine.open_stream(engine.prepare_generate(prompt, **sampling)) as stream:
+                async for out in stream:
+                    outputs[name] = out
+
+        poisoned = list(engine.prepare_generate(PROMPTS[3]).prompt_tokens)
+        poisoned[2] = 31337  # inside the prompt: its prefill raises
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", PROMPTS[1])
+            nursery.start_soon(run, "bad", poisoned)
+            nursery.start_soon(run, "b", PROMPTS[4])
+        assert outputs["bad"].finish_reason == "error" and "poison" in outputs["bad"].error
+        assert [outputs["a"].tokens, outputs["b"].tokens] == expected
+        assert engine.get_stats()["runner"]["failed"] == 1
+        await assert_idle(engine)
+        assert (await engine.generate(PROMPTS[0], **sampling)).finish_reason == "length"
