@@ -17,7 +17,8 @@ class EngineConfig:
     - `admission`: `"fail-fast"` refuses a request at once with `EngineBusy` while another one
       generates (the default); `"wait"` queues up to `max_waiting` requests, each for at most
       `max_wait` seconds. None picks `"wait"` when `max_waiting > 0`, else `"fail-fast"`.
-    - `prefill_step_size`: prompt tokens per prefill chunk; aborts take effect between chunks.
+    - `prefill_step_size`: at most this many prompt tokens per prefill chunk (chunks are sized
+      by `prefill_chunk_seconds`); aborts take effect between chunks.
     - `fused_tail_tokens`: a prompt rest of at most this many tokens goes through the model in
       the first token's forward pass (1: the last token alone, as mlx-lm). None: 1,024 on MLX's
       CUDA backend, 64 on another GPU, 1 on the CPU (`decode.PrefillPlan.choose` says why).
