@@ -234,7 +234,10 @@ async def test_the_system_prompt_is_stored_without_splitting_the_prefill(
     # KVCache can be cut afterwards: the prefill runs past the system-prompt boundary in one
     # chunk (no extra forward pass), and the boundary's snapshot is cut from it. The short tail
     # of the next request rides with its first token, as on a GPU (`fused_tail_tokens`).
-    async with trio_mlx.open_engine(tiny_model_dir, fused_tail_tokens=64) as engine:
+    # Chunks cut by the plan alone, not by a pace measured on a busy machine.
+    async with trio_mlx.open_engine(
+        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0
+    ) as engine:
         request = engine.prepare_chat([SYSTEM, user(USERS[0])], max_tokens=4, temperature=0.0)
         assert request.system_prefix is not None
         await engine.chat([SYSTEM, user(USERS[0])], max_tokens=4, temperature=0.0)
@@ -252,7 +255,10 @@ async def test_a_short_chat_stores_its_system_prompt_from_the_first_token_step(
     tiny_model_dir: Path,
 ) -> None:
     system = {"role": "system", "content": "Be brief."}
-    async with trio_mlx.open_engine(tiny_model_dir, fused_tail_tokens=64) as engine:
+    # Chunks cut by the plan alone, not by a pace measured on a busy machine.
+    async with trio_mlx.open_engine(
+        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0
+    ) as engine:
         request = engine.prepare_chat([system, user("Hi")], max_tokens=3, temperature=0.0)
         assert request.system_prefix is not None and len(request.prompt_tokens) <= 64
         await engine.chat([system, user("Hi")], max_tokens=3, temperature=0.0)
@@ -287,7 +293,10 @@ async def test_the_first_token_is_handed_over_before_the_system_prompt_is_snapsh
     monkeypatch.setattr(TokenSink, "push", logged_push)
     monkeypatch.setattr(KVCacheManager, "stored", logged_stored)
     system = {"role": "system", "content": "Be brief."}
-    async with trio_mlx.open_engine(tiny_model_dir, fused_tail_tokens=64) as engine:
+    # Chunks cut by the plan alone, not by a pace measured on a busy machine.
+    async with trio_mlx.open_engine(
+        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0
+    ) as engine:
         out = await engine.chat([system, user("Hi")], max_tokens=3, temperature=0.0)
     assert out.finish_reason == "length" and len(out.tokens) == 3
     assert log == [

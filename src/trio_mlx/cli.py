@@ -102,8 +102,8 @@ def _add_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-step-size",
         type=int,
         default=None,
-        help=f"prompt tokens per prefill chunk; an abort waits for the chunk in progress "
-        f"(default: {PREFILL_STEP_SIZE}, {CPU_PREFILL_STEP_SIZE} on MLX's CPU backend)",
+        help=f"the most prompt tokens in one prefill chunk; chunks are sized by measured time "
+        f"up to it (default: {PREFILL_STEP_SIZE}, {CPU_PREFILL_STEP_SIZE} on MLX's CPU backend)",
     )
 
 
@@ -184,14 +184,35 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admission",
         choices=["fail-fast", "wait"],
-        default=None,
-        help="a request that finds the engine busy: fail-fast answers 429 at once, wait queues "
-        "it (default: wait when --max-waiting > 0, else fail-fast)",
+        default="wait",
+        help="when every slot is taken: queue the request (wait) or answer 429 at once (fail-fast)",
     )
-    parser.add_argument("--max-waiting", type=int, default=0, help="queue length in wait mode")
     parser.add_argument(
-        "--max-wait", type=float, default=30.0, help="seconds a request may wait in the queue"
+        "--max-waiting", type=int, default=256, help="queue length in wait mode (default: 256)"
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences decoding together, one forward pass per step (continuous batching); "
+        "1: one at a time (default: 1 on the CPU, 64 on a GPU)",
+    )
+    parser.add_argument(
+        "--kv-memory-mb",
+        type=float,
+        default=None,
+        help="memory for the running sequences' KV caches, each counted at its token limit; "
+        "requests beyond it wait or get 429 (default: half the device memory left after the "
+        "weights; 0: no accounting)",
+    )
+    parser.add_argument(
+        "--prefill-chunk-seconds",
+        type=float,
+        default=0.25,
+        help="prefill chunks are sized to take about this long, so a cancel frees the runner "
+        "within about that time (default: 0.25)",
+    )
+    parser.add_argument("--max-wait", type=float, default=30.0, help="seconds a request may wait")
     _add_cpu_arguments(parser)
     parser.add_argument(
         "--prefill-block",

@@ -26,7 +26,8 @@ class EngineConfig:
     - `admission`: `"fail-fast"` refuses a request at once with `EngineBusy` while another one
       generates (the default); `"wait"` queues up to `max_waiting` requests, each for at most
       `max_wait` seconds. None picks `"wait"` when `max_waiting > 0`, else `"fail-fast"`.
-    - `prefill_step_size`: prompt tokens per prefill chunk; aborts take effect between chunks.
+    - `prefill_step_size`: at most this many prompt tokens per prefill chunk (chunks are sized
+      by `prefill_chunk_seconds`); aborts take effect between chunks.
     - `fused_tail_tokens`: a prompt rest of at most this many tokens goes through the model in
       the first token's forward pass (1: the last token alone, as mlx-lm). None: 1,024 on MLX's
       CUDA backend, 64 on another GPU, 1 on the CPU (`decode.PrefillPlan.choose` says why).
@@ -41,6 +42,16 @@ class EngineConfig:
     - `cache_memory_bytes`: memory budget of the prefix KV cache (snapshots of computed prompts
       reused by later requests that start with the same tokens). None: half the size of the
       model's weights, between 256 MiB and 8 GiB; 0 disables the cache.
+    - `max_num_seqs`: up to this many sequences decode together, one forward pass per step
+      (continuous batching); 1 is the serialized route, one generation at a time. None: 1 on the
+      CPU (MLX's CPU step time grows linearly with the batch, so batching cannot pay there) and
+      `batch.GPU_MAX_NUM_SEQS` on a GPU.
+    - `kv_memory_bytes`: memory budget for the running sequences' KV caches, each counted at its
+      token limit (prompt + max_tokens, bounded by `max_kv_size`); admission queues or refuses a
+      request that would exceed it. None: half of the device's memory left after the weights
+      (the machine's memory on the CPU); 0: no accounting.
+    - `prefill_chunk_seconds`: a prefill chunk is sized to take about this long (measured), so
+      an abort or a cancel frees the runner within about that time on any backend.
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):
@@ -63,6 +74,9 @@ class EngineConfig:
     max_tokens_limit: int | None = None
     max_kv_size: int | None = None
     cache_memory_bytes: int | None = None
+    max_num_seqs: int | None = None
+    kv_memory_bytes: int | None = None
+    prefill_chunk_seconds: float = 0.25
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None
 
@@ -97,6 +111,12 @@ class EngineConfig:
             raise ValueError("gil_switch_interval must be > 0 seconds (or None)")
         if self.cuda_sdpa_graph_cache is not None and self.cuda_sdpa_graph_cache < 1:
             raise ValueError("cuda_sdpa_graph_cache must be >= 1 (or None)")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 0:
+            raise ValueError("kv_memory_bytes must be >= 0 (0: no accounting)")
+        if self.prefill_chunk_seconds <= 0:
+            raise ValueError("prefill_chunk_seconds must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if self.admission == "wait" and self.max_waiting == 0:

@@ -1,10 +1,11 @@
 """Admission control: who may generate now, who waits, who is refused.
 
-The serialized route of vllm-mlx's `SimpleEngine` contract: one generation at a time
-(`slots=1`). A request that finds every slot taken is either refused at once with `EngineBusy`
-(`mode="fail-fast"`, the default) or waits in a bounded FIFO queue (`mode="wait"`, at most
-`max_waiting` waiters, each for at most `max_wait` seconds) and is refused when the queue is
-full or its wait runs out.
+`slots` is the runner's `max_num_seqs` (1: the serialized route, one generation at a time). With
+KV accounting (`account_kv`), a request is admitted only while the running requests' KV caches,
+each at its token limit, fit in the budget with its own. A request that finds every slot taken (or
+the budget spent) is either refused at once with `EngineBusy` (`mode="fail-fast"`, the engine
+API's default) or waits in a bounded FIFO queue (`mode="wait"`, at most `max_waiting` waiters,
+each for at most `max_wait` seconds) and is refused when the queue is full or its wait runs out.
 
 `AdmissionBook` is the state and its rules, plain and synchronous (testable without Trio);
 `AdmissionController` adds the waiting. A `Lease` frees its slot with a synchronous, idempotent
@@ -41,15 +42,21 @@ class AdmissionStats:
     wait_timeouts: int
     #: request id -> seconds it has held its slot
     holders: dict[int, float]
+    #: KV memory reserved by the running requests at their token limits, and the budget (0: none)
+    kv_reserved_bytes: int = 0
+    kv_budget_bytes: int = 0
+    #: requests refused or queued because the KV budget was spent (not the slots)
+    memory_waits: int = 0
 
 
 class _Waiter:
-    __slots__ = ("closed", "event", "granted")
+    __slots__ = ("closed", "event", "granted", "kv_bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, kv_bytes: int = 0) -> None:
         self.event = trio.Event()
         self.granted = False
         self.closed = False
+        self.kv_bytes = kv_bytes
 
 
 class AdmissionBook:
@@ -68,26 +75,46 @@ class AdmissionBook:
         self.slots = slots
         self.max_waiting = max_waiting if mode == "wait" else 0
         self._running: dict[int, float] = {}
+        self._reserved: dict[int, int] = {}
         self._waiting: OrderedDict[int, _Waiter] = OrderedDict()
         self._closed = False
         self.admitted = 0
         self.busy_rejections = 0
         self.wait_timeouts = 0
+        self.memory_waits = 0
+        self.kv_budget = 0
+        self.kv_bytes_per_token = 0
         self._mean_hold = 1.0
 
-    def try_admit(self, request_id: int) -> bool:
-        """Take a free slot for `request_id` if there is one and nobody is queued before it."""
+    def account_kv(self, budget_bytes: int, bytes_per_token: int) -> None:
+        """Admit requests only while the running ones' KV caches, each at its token limit, fit
+        in `budget_bytes` (a request alone is always admitted)."""
+        self.kv_budget = max(0, budget_bytes)
+        self.kv_bytes_per_token = max(0, bytes_per_token)
+
+    def _fits(self, kv_bytes: int) -> bool:
+        if len(self._running) >= self.slots:
+            return False
+        if not self.kv_budget or not self._running:
+            return True
+        return sum(self._reserved.values()) + kv_bytes <= self.kv_budget
+
+    def try_admit(self, request_id: int, kv_bytes: int = 0) -> bool:
+        """Take a free slot for `request_id` if there is one, its KV memory fits and nobody is
+        queued before it."""
         if self._closed:
             raise EngineClosed("the engine is shutting down")
-        if len(self._running) < self.slots and not self._waiting:
-            self._grant(request_id)
+        if not self._waiting and self._fits(kv_bytes):
+            self._grant(request_id, kv_bytes)
             return True
         return False
 
-    def enqueue(self, request_id: int) -> _Waiter:
+    def enqueue(self, request_id: int, kv_bytes: int = 0) -> _Waiter:
         """Join the queue, or raise `EngineBusy` when this mode or the queue's size forbids it."""
         if self._closed:
             raise EngineClosed("the engine is shutting down")
+        if len(self._running) < self.slots and not self._waiting:
+            self.memory_waits += 1  # a slot is free: the KV budget is what is missing
         if len(self._waiting) >= self.max_waiting:
             self.busy_rejections += 1
             what = "the engine is busy" if self.mode == "fail-fast" else "the queue is full"
@@ -95,24 +122,33 @@ class AdmissionBook:
                 f"{what}: {len(self._running)} running, {len(self._waiting)} waiting",
                 retry_after=self.retry_after(),
             )
-        waiter = _Waiter()
+        waiter = _Waiter(kv_bytes)
         self._waiting[request_id] = waiter
         return waiter
 
     def leave_queue(self, request_id: int) -> None:
         """A waiter gave up (cancelled or timed out) before it was granted a slot."""
-        self._waiting.pop(request_id, None)
+        if self._waiting.pop(request_id, None) is not None:
+            self._grant_waiters()  # it may have been the one that did not fit
 
     def release(self, request_id: int) -> None:
         """Free `request_id`'s slot (idempotent) and hand it to the first waiter."""
         started = self._running.pop(request_id, None)
+        self._reserved.pop(request_id, None)
         if started is None:
             return
         held = time.monotonic() - started
         self._mean_hold = 0.8 * self._mean_hold + 0.2 * held
-        while self._waiting and len(self._running) < self.slots:
-            next_id, waiter = self._waiting.popitem(last=False)
-            self._grant(next_id)
+        self._grant_waiters()
+
+    def _grant_waiters(self) -> None:
+        """Hand free slots to the waiters in order while the first one fits."""
+        while self._waiting:
+            next_id, waiter = next(iter(self._waiting.items()))
+            if not self._fits(waiter.kv_bytes):
+                return
+            del self._waiting[next_id]
+            self._grant(next_id, waiter.kv_bytes)
             waiter.granted = True
             waiter.event.set()
 
@@ -125,7 +161,8 @@ class AdmissionBook:
         self._waiting.clear()
 
     def retry_after(self) -> float:
-        """Seconds until a retry will likely find a slot: the queue ahead times the mean hold."""
+        """Seconds until a retry will likely find a slot, from the measured mean time a request
+        holds its slot: the queue ahead times that, shared by the slots (1 to 60)."""
         ahead = len(self._waiting) + 1
         return float(min(60, max(1, math.ceil(self._mean_hold * ahead / self.slots))))
 
@@ -141,10 +178,14 @@ class AdmissionBook:
             busy_rejections=self.busy_rejections,
             wait_timeouts=self.wait_timeouts,
             holders={rid: now - t for rid, t in self._running.items()},
+            kv_reserved_bytes=sum(self._reserved.values()),
+            kv_budget_bytes=self.kv_budget,
+            memory_waits=self.memory_waits,
         )
 
-    def _grant(self, request_id: int) -> None:
+    def _grant(self, request_id: int, kv_bytes: int = 0) -> None:
         self._running[request_id] = time.monotonic()
+        self._reserved[request_id] = kv_bytes
         self.admitted += 1
 
 
@@ -171,12 +212,13 @@ class AdmissionController:
         self.book = book
         self.max_wait = max_wait
 
-    async def acquire(self, request_id: int) -> Lease:
-        """A lease for `request_id`, or `EngineBusy` / `EngineClosed`. Always a checkpoint."""
+    async def acquire(self, request_id: int, kv_bytes: int = 0) -> Lease:
+        """A lease for `request_id` whose KV cache takes `kv_bytes` at its token limit, or
+        `EngineBusy` / `EngineClosed`. Always a checkpoint."""
         await trio.lowlevel.checkpoint()
-        if self.book.try_admit(request_id):
+        if self.book.try_admit(request_id, kv_bytes):
             return Lease(self.book, request_id)
-        waiter = self.book.enqueue(request_id)
+        waiter = self.book.enqueue(request_id, kv_bytes)
         try:
             with trio.move_on_after(self.max_wait):
                 await waiter.event.wait()

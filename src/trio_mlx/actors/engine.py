@@ -45,6 +45,7 @@ from trio_mlx.actors.runner import Runner
 from trio_mlx.actors.stream import RequestStream, TokenSink
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.decode import GenerationJob
+from trio_mlx.engine.scheduling import kv_bytes_at_limit
 from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError
 from trio_mlx.preparation import PreparedRequest, ReasoningTags, RequestPreparer, SamplingOptions
 from trio_mlx.text.detokenizer import decoder_for
@@ -242,7 +243,16 @@ class Engine:
         self._check_alive()
         submitted_at = time.monotonic()
         request_id = next(self._request_ids)
-        lease = await self._admission.acquire(request_id)
+        book = self._admission.book
+        kv_bytes = 0
+        if book.kv_budget:
+            kv_bytes = kv_bytes_at_limit(
+                len(request.prompt_tokens),
+                request.params.max_tokens,
+                book.kv_bytes_per_token,
+                self.config.max_kv_size,
+            )
+        lease = await self._admission.acquire(request_id, kv_bytes)
         try:
             self._check_alive()
             sink = TokenSink()
@@ -462,8 +472,21 @@ class Engine:
             "slot_holders": [
                 {"request_id": rid, "held_s": held} for rid, held in admission.holders.items()
             ],
+            "max_num_seqs": admission.slots,
+            "kv_reserved_bytes": admission.kv_reserved_bytes,
+            "kv_budget_bytes": admission.kv_budget_bytes,
+            "memory_waits": admission.memory_waits,
             "finished": dict(self._finished),
             "runner": {
+                "batching": self._runner.batching,
+                "decoding": counters.decoding,
+                "prefilling": counters.prefilling,
+                "batch_sizes": {str(k): v for k, v in sorted(counters.batch_sizes.items())},
+                "tokens_per_step": (counters.prompt_tokens + counters.generated_tokens)
+                / counters.steps
+                if counters.steps
+                else 0.0,
+                "kv_bytes": counters.kv_bytes,
                 "steps": counters.steps,
                 "prefill_chunks": counters.prefill_chunks,
                 "decode_steps": counters.decode_steps,

@@ -18,9 +18,15 @@ Protocol:
   Trio side `_deliver` fans a batch out to each request's `TokenSink`; a sink whose consumer has
   gone makes that request abort at the next step boundary.
 
-A step is one prefill chunk or one decode token for each live sequence (the serialized route has
-at most one). An exception raised by the model fails that request only; anything that kills the
-thread itself fails every live request with `EngineCrashed`.
+Two routes, chosen once the model is loaded:
+- serialized (`max_num_seqs == 1`, or a model whose cache cannot be batched): a step is one prefill
+  chunk or one decode token of the live sequence (`decode.ActiveSequence`);
+- batched (`max_num_seqs > 1`): `batch_loop.serve_batched`, one decode step over every running
+  sequence plus a prefill chunk of those waiting to join (continuous batching).
+Prefill chunks are sized by measured time (`scheduling.PrefillPacer`, calibrated by one short
+timed pass at load), so that an abort takes effect within about `prefill_chunk_seconds` on any
+backend. An exception raised by the model fails the requests it can be attributed to; anything
+that kills the thread itself fails every live request with `EngineCrashed`.
 
 Prefix caching (when a `KVCacheManager` is attached and enabled), through the runner's
 `SnapshotKeeper` (which holds the snapshots and talks to the book):
@@ -55,6 +61,7 @@ from typing import Any
 import outcome
 import trio
 
+from trio_mlx.actors.batch_loop import serve_batched
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo, describe
@@ -67,6 +74,8 @@ from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
+from trio_mlx.engine.model_probe import probe_cache
+from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.types import FinishReason, TokenLogprob
 
@@ -138,6 +147,13 @@ class RunnerCounters:
     failed: int = 0
     busy_seconds: float = 0.0
     live: int = 0
+    #: sequences in the decode batch / prefilling to join it (batched route)
+    decoding: int = 0
+    prefilling: int = 0
+    #: decode steps by batch size (batched route: rows in the step's forward pass)
+    batch_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: memory of the live sequences' KV caches (batched route; bytes)
+    kv_bytes: int = 0
 
 
 class Runner:
@@ -151,9 +167,18 @@ class Runner:
         prefill_block: int | None = None,
         fused_tail_tokens: int | None = None,
         max_kv_size: int | None = None,
+        max_num_seqs: int = 1,
+        prefill_chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
         loader: ModelLoader = load_model,
     ) -> None:
         self._model_spec = model
+        self.max_num_seqs = max_num_seqs
+        self._chunk_seconds = prefill_chunk_seconds
+        self.pacer = PrefillPacer(prefill_step_size, target_seconds=prefill_chunk_seconds)
+        #: KV cache bytes per token of one sequence (measured once the model is loaded)
+        self.kv_bytes_per_token = 0
+        #: whether the batched route serves (max_num_seqs > 1 and a cache that can be merged)
+        self.batching = False
         self._prefill_options = (prefill_step_size, fused_tail_tokens, prefill_block)
         self._prefill_plan = PrefillPlan(prefill_step_size)  # chosen again once a model is loaded
         self._max_kv_size = max_kv_size
@@ -339,78 +364,108 @@ class Runner:
             trimmable=info.cache_support is not None and info.cache_support.trimmable,
         )
         log.debug("prefill plan: %s", self._prefill_plan)
+        self.pacer = PrefillPacer(
+            self._prefill_plan.step,
+            block=self._prefill_plan.block,
+            target_seconds=self._chunk_seconds,
+        )
+        self.kv_bytes_per_token, mergeable = probe_cache(
+            loaded.model, self._max_kv_size, self.pacer
+        )
+        self.batching = self.max_num_seqs > 1 and mergeable
+        if self.max_num_seqs > 1 and not mergeable:
+            log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
+        assert self._token is not None
+        self.info = info  # before any job can arrive: jobs come after `started`
+        self._token.run_sync_soon(report_ready, info)
+        with mx.stream(runner_stream()):
+            if self.batching:
+                serve_batched(self, loaded)
+            else:
+                self._serve_serialized(loaded)
+
+    def _emit(
+        self,
+        events: list[SequenceEvent],
+        stores: list[tuple[Any, CacheKind, int | None]],
+    ) -> None:
+        """Hand a step's events to Trio and take its snapshots. Tokens first: a snapshot must
+        not delay them. Finishes after the snapshots: a finished request's entries are in the
+        book when it ends."""
         assert self._token is not None
         deliver = self._token.run_sync_soon
-        self.info = info  # before any job can arrive: jobs come after `started`
-        deliver(report_ready, info)
+        if stores:
+            tokens_only = tuple(e for e in events if e.finish is None)
+            if tokens_only:
+                deliver(self._deliver, tokens_only)
+            for seq, kind, length in stores:
+                self._snapshots.store(seq, kind, length)
+            events = [e for e in events if e.finish is not None]
+        if events:
+            deliver(self._deliver, tuple(events))
+
+    def _serve_serialized(self, loaded: LoadedModel) -> None:
+        """The serialized route: each live sequence steps on its own (`ActiveSequence`)."""
         live: dict[int, ActiveSequence] = {}
         counters = self.counters
-        with mx.stream(runner_stream()):
-            while True:
-                if self._stop.is_set() or (not live and not self._wait_for_command()):
-                    return
-                events = self._take_commands(live, loaded)
-                if not live:
-                    if events:
-                        deliver(self._deliver, tuple(events))
-                    continue
-                began = time.perf_counter()
-                stores: list[tuple[ActiveSequence, CacheKind, int | None]] = []
-                for request_id, seq in list(live.items()):
-                    prefill = seq.in_prefill
-                    try:
-                        result = seq.step()
-                    except Exception as exc:
-                        log.exception("request %d failed inside the model", request_id)
-                        del live[request_id]
-                        counters.failed += 1
-                        events.append(
-                            SequenceEvent(
-                                request_id,
-                                finish="error",
-                                error=f"{type(exc).__name__}: {exc}",
-                                cached_tokens=seq.cached_tokens,
-                            )
-                        )
-                        continue
-                    counters.prompt_tokens += result.prefilled
+        pacer = self.pacer
+        while True:
+            if self._stop.is_set() or (not live and not self._wait_for_command()):
+                return
+            events = self._take_commands(live, loaded)
+            if not live:
+                self._emit(events, [])
+                continue
+            began = time.perf_counter()
+            stores: list[tuple[Any, CacheKind, int | None]] = []
+            for request_id, seq in list(live.items()):
+                prefill = seq.in_prefill
+                try:
+                    chunk_began = time.perf_counter()
+                    result = seq.step(pacer.chunk_tokens() if prefill else None)
                     if prefill and not result.tokens and result.finish is None:
-                        counters.prefill_chunks += 1
-                    else:
-                        counters.decode_steps += 1
-                    counters.generated_tokens += len(result.tokens)
-                    last = len(seq.job.prompt_tokens) - 1
-                    for point in result.store_points:
-                        stores.append((seq, "prompt" if point == last else "system", point))
-                    if result.finish is not None:
-                        del live[request_id]
-                        stores.append((seq, "conversation", None))
-                    if result.tokens or result.finish is not None:
-                        finish: FinishReason | None = result.finish  # type: ignore[assignment]
-                        events.append(
-                            SequenceEvent(
-                                request_id,
-                                result.tokens,
-                                finish,
-                                None,
-                                result.logprobs,
-                                seq.cached_tokens,
-                            )
+                        pacer.observe_chunk(result.prefilled, time.perf_counter() - chunk_began)
+                except Exception as exc:
+                    log.exception("request %d failed inside the model", request_id)
+                    del live[request_id]
+                    counters.failed += 1
+                    events.append(
+                        SequenceEvent(
+                            request_id,
+                            finish="error",
+                            error=f"{type(exc).__name__}: {exc}",
+                            cached_tokens=seq.cached_tokens,
                         )
-                counters.steps += 1
-                counters.live = len(live)
-                if stores:
-                    # Tokens first: a snapshot must not delay them. Finishes after the
-                    # snapshots: a finished request's entries are in the book when it ends.
-                    tokens_only = tuple(e for e in events if e.finish is None)
-                    if tokens_only:
-                        deliver(self._deliver, tokens_only)
-                    for seq, kind, length in stores:
-                        self._snapshots.store(seq, kind, length)
-                    events = [e for e in events if e.finish is not None]
-                counters.busy_seconds += time.perf_counter() - began
-                if events:
-                    deliver(self._deliver, tuple(events))
+                    )
+                    continue
+                counters.prompt_tokens += result.prefilled
+                if prefill and not result.tokens and result.finish is None:
+                    counters.prefill_chunks += 1
+                else:
+                    counters.decode_steps += 1
+                counters.generated_tokens += len(result.tokens)
+                last = len(seq.job.prompt_tokens) - 1
+                for point in result.store_points:
+                    stores.append((seq, "prompt" if point == last else "system", point))
+                if result.finish is not None:
+                    del live[request_id]
+                    stores.append((seq, "conversation", None))
+                if result.tokens or result.finish is not None:
+                    finish: FinishReason | None = result.finish  # type: ignore[assignment]
+                    events.append(
+                        SequenceEvent(
+                            request_id,
+                            result.tokens,
+                            finish,
+                            None,
+                            result.logprobs,
+                            seq.cached_tokens,
+                        )
+                    )
+            counters.steps += 1
+            counters.live = len(live)
+            self._emit(events, stores)
+            counters.busy_seconds += time.perf_counter() - began
 
     def _take_commands(
         self, live: dict[int, ActiveSequence], loaded: LoadedModel

@@ -25,6 +25,7 @@ from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo
 from trio_mlx.actors.runner import ModelLoader, Runner
 from trio_mlx.config import EngineConfig
+from trio_mlx.engine.batch import default_max_num_seqs, device_memory_bytes
 from trio_mlx.engine.kv_snapshots import SnapshotSupport
 from trio_mlx.engine.loading import load_model
 from trio_mlx.engine.mlx_cuda import keep_attention_graphs
@@ -54,15 +55,18 @@ async def serve_engine(
 async def _serve(
     cfg: EngineConfig, loader: ModelLoader, task_status: trio.TaskStatus[Engine]
 ) -> None:
+    max_num_seqs = cfg.max_num_seqs or default_max_num_seqs()
     runner = Runner(
         cfg.model,
         prefill_step_size=cfg.prefill_step_size,
         prefill_block=cfg.prefill_block,
         fused_tail_tokens=cfg.fused_tail_tokens,
         max_kv_size=cfg.max_kv_size,
+        max_num_seqs=max_num_seqs,
+        prefill_chunk_seconds=cfg.prefill_chunk_seconds,
         loader=loader,
     )
-    book = AdmissionBook(slots=1, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
+    book = AdmissionBook(slots=max_num_seqs, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
     admission = AdmissionController(book, max_wait=cfg.max_wait)
     load_error: Exception | None = None
     async with trio.open_nursery() as nursery:
@@ -71,6 +75,10 @@ async def _serve(
         except Exception as exc:  # raised as it is, not inside this nursery's ExceptionGroup
             load_error = exc
         else:
+            if not runner.batching:
+                book.slots = 1  # the model's cache cannot be batched: the serialized route
+            elif cfg.kv_memory_bytes != 0:
+                book.account_kv(_kv_budget(cfg, info), runner.kv_bytes_per_token)
             kv_cache = _kv_cache_manager(cfg, info)
             runner.use_prefix_cache(kv_cache)
             engine = Engine(cfg, runner, admission, info, kv_cache)
@@ -82,6 +90,14 @@ async def _serve(
                 nursery.cancel_scope.cancel()
     if load_error is not None:
         raise load_error
+
+
+def _kv_budget(cfg: EngineConfig, info: ModelInfo) -> int:
+    """The running sequences' KV memory budget: the configured one, else half of the device's
+    memory left after the weights."""
+    if cfg.kv_memory_bytes is not None:
+        return cfg.kv_memory_bytes
+    return max(0, (device_memory_bytes() - info.weights_bytes) // 2)
 
 
 def _kv_cache_manager(cfg: EngineConfig, info: ModelInfo) -> KVCacheManager:

@@ -164,7 +164,7 @@ class StepResult:
     store_points: tuple[int, ...] = ()
 
 
-class _Pending:
+class PendingToken:
     """A token being computed, with its lazy logprob arrays."""
 
     __slots__ = ("chosen", "ids", "token", "values")
@@ -233,7 +233,7 @@ class ActiveSequence:
         )
         self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
         self._prompt_done = cached_tokens
-        self._current: _Pending | None = None  # the token being computed for the consumer
+        self._current: PendingToken | None = None  # the token being computed for the consumer
         # `_current` is built but not yet queued on the device (the first token's successor:
         # see `_decode_one`); the next step queues it.
         self._current_unqueued = False
@@ -261,8 +261,9 @@ class ActiveSequence:
         `max_tokens` finish never is)."""
         return self.job.prompt_tokens[: self._prompt_done] + tuple(self._fed_generated)
 
-    def step(self) -> StepResult:
-        """Advance by one prefill chunk or one token. Raises whatever the model raises."""
+    def step(self, prefill_limit: int | None = None) -> StepResult:
+        """Advance by one prefill chunk (at most `prefill_limit` tokens, whole blocks, when given)
+        or one token. Raises whatever the model raises."""
         if self.finished:
             return StepResult(finish="length")
         remaining = len(self.job.prompt_tokens) - self._prompt_done
@@ -270,6 +271,8 @@ class ActiveSequence:
         fuse_tail = remaining <= plan.tail and not (self._split and self._store_points)
         if remaining > 1 and not fuse_tail:
             n = min(plan.step, remaining - 1)
+            if prefill_limit is not None:
+                n = min(n, max(prefill_limit, plan.block))
             n -= n % plan.block  # >= one block: remaining > the tail >= a block
             points = self._store_points
             if points and self._split:
@@ -307,7 +310,7 @@ class ActiveSequence:
             self._current_unqueued = False
         return self._decode_one(prefilled=0)
 
-    def _forward(self, tokens: Any, position: int = -1) -> _Pending:
+    def _forward(self, tokens: Any, position: int = -1) -> PendingToken:
         raw = self._model(tokens[None], cache=self._cache)[:, position, :]
         logits = raw
         if self._processors:
@@ -320,9 +323,9 @@ class ActiveSequence:
             self._history = mx.concatenate([self._history, token.astype(mx.int32)])
         params = self.job.params
         if not params.logprobs:
-            return _Pending(token)
+            return PendingToken(token)
         chosen, ids, values = logprob_arrays(raw, token, params.top_logprobs)
-        return _Pending(token, chosen, ids, values)
+        return PendingToken(token, chosen, ids, values)
 
     def _decode_one(self, prefilled: int) -> StepResult:
         assert self._current is not None
@@ -339,7 +342,7 @@ class ActiveSequence:
             if not first:
                 mx.async_eval(*upcoming.arrays())
         token = int(current.token.item())
-        logprobs = (_read_logprobs(token, current),) if current.chosen is not None else ()
+        logprobs = (read_logprobs(token, current),) if current.chosen is not None else ()
         if not pipelined:
             self._processors = [p for p in self._processors if not getattr(p, "is_retired", False)]
             if not last_one and token not in self._eos:
@@ -362,7 +365,7 @@ class ActiveSequence:
         return StepResult((token,), None, prefilled, logprobs)
 
 
-def _read_logprobs(token: int, pending: _Pending) -> TokenLogprob:
+def read_logprobs(token: int, pending: PendingToken) -> TokenLogprob:
     chosen = float(pending.chosen.item())
     top: Sequence[tuple[int, float]] = ()
     if pending.ids is not None:

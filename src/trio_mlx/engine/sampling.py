@@ -49,6 +49,17 @@ class TokenSelector:
             self._key = mx.random.key(seed % (1 << 64))
 
     @property
+    def batch_greedy(self) -> bool:
+        """Greedy with at most a logit bias: a batch may choose it with one argmax over
+        `logits + bias` (no penalty state, no key to split)."""
+        return self._key is None and self._seen is None and self._counts is None
+
+    @property
+    def bias(self) -> Any:
+        """The logit bias vector (shape (vocab,), float32), or None."""
+        return self._bias
+
+    @property
     def adjusts_logits(self) -> bool:
         return self._bias is not None or self._seen is not None or self._counts is not None
 

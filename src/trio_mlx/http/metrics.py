@@ -151,6 +151,46 @@ class Metrics:
                 "Requests refused by admission (429).",
                 [sample("request_rejected_total", stats["busy_rejections"])],
             )
+            runner = stats.get("runner", {})
+            metric(
+                "num_sequences_decoding",
+                "gauge",
+                "Sequences in the decode batch now.",
+                [sample("num_sequences_decoding", runner.get("decoding", 0))],
+            )
+            metric(
+                "num_sequences_prefilling",
+                "gauge",
+                "Admitted sequences prefilling to join the batch.",
+                [sample("num_sequences_prefilling", runner.get("prefilling", 0))],
+            )
+            metric(
+                "decode_steps_by_batch_size_total",
+                "counter",
+                "Batched decode steps by the number of sequences in them.",
+                [
+                    sample("decode_steps_by_batch_size_total", n, f',batch_size="{size}"')
+                    for size, n in runner.get("batch_sizes", {}).items()
+                ],
+            )
+            metric(
+                "tokens_per_step",
+                "gauge",
+                "Prompt and generated tokens per runner step, on average.",
+                [sample("tokens_per_step", runner.get("tokens_per_step", 0.0))],
+            )
+            metric(
+                "kv_cache_bytes",
+                "gauge",
+                "Memory of the live sequences' KV caches.",
+                [sample("kv_cache_bytes", runner.get("kv_bytes", 0))],
+            )
+            metric(
+                "kv_reserved_bytes",
+                "gauge",
+                "KV memory reserved by admission: running requests at their token limits.",
+                [sample("kv_reserved_bytes", stats.get("kv_reserved_bytes", 0))],
+            )
         metric(
             "prompt_tokens_total",
             "counter",

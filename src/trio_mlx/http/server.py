@@ -191,7 +191,12 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_tokens_limit": args.max_tokens,
         "default_max_tokens": args.default_max_tokens,
         "max_kv_size": args.max_kv_size,
+        "max_num_seqs": getattr(args, "max_num_seqs", None),
+        "prefill_chunk_seconds": getattr(args, "prefill_chunk_seconds", 0.25),
     }
+    kv_mb = getattr(args, "kv_memory_mb", None)
+    if kv_mb is not None:
+        engine_options["kv_memory_bytes"] = int(kv_mb * 1024 * 1024)
     cache_mb = getattr(args, "cache_memory_mb", None)
     if cache_mb is not None:
         engine_options["cache_memory_bytes"] = int(cache_mb * 1024 * 1024)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Continuous batching on the H200 host (see bench/gpu_run.sh for staging the wheels):
+#   step 1, carry [".whl/1", ".whl/3"]:  bash bench/gpu_batching.sh stash
+#   step 2, carry [".whl/2"]:            bash bench/gpu_batching.sh run-1b
+#   step 3 (same host):                  bash bench/gpu_batching.sh run-8b
+# run-1b: the bare batched step ceiling (bench/batch_ceiling.py) at B = 1/4/16/64, then
+# bench.compare through HTTP at 1/4/16/64 streams beside mlx_lm.server and vllm-mlx
+# --continuous-batching, then trio-mlx alone at 1 stream with --max-num-seqs 1 (the serialized
+# route) for the single-stream comparison. Results in $OUT.
+# Run from the checkout root (where .whl/ is); the code measured is the one beside this script
+# (CODE), which may be a copy staged under .whl/ when the device gets another checkout.
+set -euo pipefail
+CODE=$(dirname "$(dirname "$(readlink -f "$0")")")
+case "${1:-}" in
+  stash)
+    bash .whl/1/on-gpu-host stash
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site-vllm .whl/3/*.whl
+    printf '#!/bin/sh\nPYTHONPATH=/tmp/site-vllm:/tmp/site exec python3 "$@"\n' > /tmp/vllm-python
+    chmod +x /tmp/vllm-python
+    exit 0 ;;
+  run-1b) model=synthetic:llama-1b-bf16; name=llama-1b-bf16; deadline=${DEADLINE:-300} ;;
+  run-8b) model=synthetic:llama-8b-bf16; name=llama-8b-bf16; deadline=${DEADLINE:-330} ;;
+  run-8b-q4) model=synthetic:llama-8b-q4; name=llama-8b-q4; deadline=${DEADLINE:-330} ;;
+  *) echo "usage: $0 stash | run-1b | run-8b | run-8b-q4" >&2; exit 2 ;;
+esac
+: "${OUT:?OUT must name the folder for the results}"
+if ! python3 -c 'import mlx.core' 2>/dev/null; then bash .whl/2/on-gpu-host install; fi
+export PYTHONPATH=/tmp/site:$CODE/src:$CODE
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export TRIO_MLX_BENCH_TOKENIZER=${TRIO_MLX_BENCH_TOKENIZER:-$PWD/.whl/2/tokenizer}
+[[ -d $TRIO_MLX_BENCH_TOKENIZER ]] || export TRIO_MLX_BENCH_TOKENIZER=/tmp/trio-mlx-tokenizer
+mkdir -p /tmp/trio-mlx-tokenizer && cp -n .whl/2/tokenizer/* /tmp/trio-mlx-tokenizer/ 2>/dev/null || true
+[[ -f /tmp/trio-mlx-tokenizer/tokenizer.json ]] && export TRIO_MLX_BENCH_TOKENIZER=/tmp/trio-mlx-tokenizer
+WORK=/tmp/trio-mlx-compare
+stamp=$(date +%Y-%m-%d)
+vllm=(--vllm-python none)
+[[ -x /tmp/vllm-python ]] && vllm=(--vllm-python /tmp/vllm-python)
+cd "$CODE"
+for ceiling in ${CEILING_MODELS:-$model}; do
+  timeout 150 python3 -m bench.batch_ceiling --model "$ceiling" --batch 1,4,16,64 --workdir "$WORK" \
+    --out "$OUT/$stamp-h200-batch-ceiling-${ceiling#synthetic:}.json" || true
+done
+if [[ -z "${NO_COMPARE:-}" ]]; then
+  timeout -s INT $((deadline + 60)) python3 -m bench.compare --model "$model" \
+    --systems "${SYSTEMS:-http,mlx_lm_server,vllm_mlx}" --prompt-tokens 128 --max-tokens 256 \
+    --concurrency "${CONCURRENCY:-1,4,16,64}" --repeats "${REPEATS:-2}" --workdir "$WORK" \
+    --cell-timeout-s 120 --server-start-timeout-s 180 "${vllm[@]}" \
+    --vllm-mlx-args=--continuous-batching --deadline-s "$deadline" \
+    --out "$OUT/$stamp-h200-batching-$name${SUFFIX:-}" || true
+fi
+if [[ "${SERIAL:-1}" == 1 && "$1" == "run-1b" ]]; then
+  timeout -s INT 120 python3 -m bench.compare --model "$model" --systems http \
+    --prompt-tokens 128 --max-tokens 256 --concurrency 1 --repeats 3 --workdir "$WORK" \
+    --vllm-python none --http-args="--max-num-seqs 1" --deadline-s 60 \
+    --out "$OUT/$stamp-h200-serialized-$name" || true
+fi
+tar -czf "$OUT/logs-$name.tar.gz" -C "$WORK" logs 2>/dev/null || true
+ls -la "$OUT"

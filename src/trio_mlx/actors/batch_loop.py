@@ -1,0 +1,170 @@
+"""The runner thread's batched route (`max_num_seqs > 1`): continuous batching.
+
+The loop, top to bottom, once per step while anything is live:
+1. apply the commands queued since the last step (`_apply`): a new job starts prefilling from its
+   restored prefix, an abort takes its sequence out (a row leaves the batch at the next step);
+2. one decode step over every row of the batch (`BatchDecoder.decode`): its tokens and finishes
+   go to Trio at once, then the finished sequences' snapshots are taken;
+3. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
+   measured time, held to a couple of decode steps while rows decode, so a long prompt arriving
+   does not stall the streams already decoding), its store-point snapshots, and the sequences
+   whose prefill is complete join the batch.
+
+The protocol with Trio is the serialized route's (see `runner`): one `SequenceEvent` batch per
+step via `run_sync_soon`, `Runner.submit` / `Runner.abort` / `TokenSink.push` unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+from trio_mlx.actors.kv_cache import CacheKind
+from trio_mlx.engine.batch import BatchDecoder, BatchSequence
+from trio_mlx.engine.loading import LoadedModel
+from trio_mlx.types import FinishReason
+
+if TYPE_CHECKING:
+    from trio_mlx.actors.runner import Runner, SequenceEvent
+
+log = logging.getLogger(__name__)
+
+_Stores = list[tuple[Any, CacheKind, int | None]]
+
+
+#: MLX's buffer cache while the batched route serves (bytes). Joining, leaving and growing the
+#: batch copy its whole KV cache into arrays of new sizes (mlx-lm's `extend` / `filter`); without a
+#: bound the freed buffers pile up in MLX's cache (80 GB for the 8B bf16 shape at 64 streams on
+#: the H200, until a shared GPU ran out of memory). Per-step temporaries need far less than this.
+BATCH_CACHE_LIMIT = 4 << 30
+
+
+def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
+    """Serve `runner`'s commands on this (the runner) thread until it is asked to stop."""
+    import mlx.core as mx
+
+    previous = mx.set_cache_limit(BATCH_CACHE_LIMIT)
+    if previous < BATCH_CACHE_LIMIT:
+        mx.set_cache_limit(previous)  # already lower: keep it
+    info = runner.info
+    support = info.cache_support if info is not None else None
+    plan = runner._prefill_plan
+    batch = BatchDecoder(
+        loaded.model,
+        loaded.eos_token_ids,
+        vocab_size=info.vocab_size if info is not None else len(loaded.tokenizer),
+        plan=plan,
+        max_kv_size=runner._max_kv_size,
+        split_at_store_points=not (support is not None and support.trimmable),
+    )
+    counters = runner.counters
+    pacer = runner.pacer
+    while True:
+        if runner._stop.is_set() or (not batch.busy and not runner._wait_for_command()):
+            return
+        events = _apply(runner, batch)
+        if not batch.busy:
+            runner._emit(events, [])
+            continue
+        began = time.perf_counter()
+        stores: _Stores = []
+        rows = batch.decoding
+        if rows or batch.rows:
+            for result in batch.decode():
+                events.append(
+                    _row_event(
+                        result.seq, result.tokens, result.finish, result.error, result.logprobs
+                    )
+                )
+                counters.generated_tokens += len(result.tokens)
+                if result.error is not None:
+                    counters.failed += 1
+                    log.error("request %d failed: %s", result.seq.request_id, result.error)
+                elif result.finish is not None:
+                    stores.append((result.seq, "conversation", None))
+            if rows:
+                pacer.observe_decode(time.perf_counter() - began)
+                counters.decode_steps += 1
+                counters.batch_sizes[rows] = counters.batch_sizes.get(rows, 0) + 1
+            runner._emit(events, stores)
+            events, stores = [], []
+        if batch.waiting:
+            decoding = batch.decoding > 0
+            chunk_began = time.perf_counter()
+            results = batch.prefill(pacer.chunk_tokens(decoding), pacer.budget_seconds(decoding))
+            prefilled = 0
+            for pre in results:
+                seq = pre.seq
+                if pre.error is not None:
+                    counters.failed += 1
+                    log.error("request %d failed in prefill: %s", seq.request_id, pre.error)
+                    events.append(_row_event(seq, (), "error", pre.error))
+                    continue
+                prefilled += pre.prefilled
+                last = len(seq.job.prompt_tokens) - 1
+                for point in pre.store_points:
+                    stores.append((seq, "prompt" if point == last else "system", point))
+            if prefilled:
+                pacer.observe_chunk(prefilled, time.perf_counter() - chunk_began)
+                counters.prefill_chunks += 1
+            counters.prompt_tokens += prefilled
+            runner._emit(events, stores)
+            counters.prompt_tokens += batch.join()
+        counters.steps += 1
+        counters.live = batch.live
+        counters.decoding = batch.decoding
+        counters.prefilling = len(batch.waiting)
+        counters.kv_bytes = batch.kv_bytes()
+        counters.busy_seconds += time.perf_counter() - began
+
+
+def _apply(runner: Runner, batch: BatchDecoder) -> list[SequenceEvent]:
+    """Apply every queued command; return the events they cause (a job that cannot start)."""
+    from trio_mlx.actors.runner import SequenceEvent, _Abort, _ClearSnapshots
+
+    events: list[SequenceEvent] = []
+    block = runner._prefill_plan.block
+    while True:
+        try:
+            command = runner._commands.get_nowait()
+        except queue.Empty:
+            break
+        if isinstance(command, _Abort):
+            seq = batch.remove(command.request_id, keep_cache=command.store)
+            if seq is not None:
+                runner.counters.aborted += 1
+                if command.store and seq.prefill_done and seq.cache is not None:
+                    runner._snapshots.store(cast(Any, seq), "conversation")
+            continue
+        if isinstance(command, _ClearSnapshots):
+            assert runner._token is not None
+            runner._token.run_sync_soon(command.reply.resolve, runner._snapshots.clear())
+            continue
+        job = command.job
+        try:
+            cache, cached_tokens = runner._snapshots.restore_for(job, block)
+            batch.add(job, cache, cached_tokens)
+            runner.counters.started += 1
+        except Exception as exc:
+            log.exception("request %d could not start", job.request_id)
+            runner.counters.failed += 1
+            events.append(
+                SequenceEvent(job.request_id, finish="error", error=f"{type(exc).__name__}: {exc}")
+            )
+    runner.counters.live = batch.live
+    return events
+
+
+def _row_event(
+    seq: BatchSequence,
+    tokens: tuple[int, ...],
+    finish: str | None,
+    error: str | None,
+    logprobs: tuple[Any, ...] = (),
+) -> SequenceEvent:
+    from trio_mlx.actors.runner import SequenceEvent
+
+    reason: FinishReason | None = finish  # type: ignore[assignment]
+    return SequenceEvent(seq.request_id, tokens, reason, error, logprobs, seq.cached_tokens)

@@ -1,0 +1,468 @@
+"""Continuous batching: many sequences decoding together, one forward pass per step. Runs on the
+runner thread only.
+
+`BatchDecoder` holds two groups of `BatchSequence`s:
+- `waiting`: admitted, prefilling on a cache of their own (restored from the prefix cache or
+  fresh), one chunk at a time under the runner's budget (`prefill`). A sequence is ready once
+  every prompt token but the last is in its cache;
+- `rows`: the decode batch. Ready sequences join it at the end of `prefill`: their caches are
+  merged into the batch's (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`, left-padded, via the
+  cache classes' `merge` / `extend` / `filter` / `extract`), and their last prompt token is their
+  input to the next step, whose logits give their first token.
+
+`decode()` is one step for every row: rows removed since the last step (finished, aborted,
+failed) leave the batch (`filter`); the next step's forward pass is queued on the device
+(`mx.async_eval`); then the previous step's tokens are read and returned. So the device computes
+step k while the host reads step k - 1 and builds step k + 1 (the pipelining of mlx-lm's
+`GenerationBatch`); a finished row costs one wasted row in the step already queued.
+
+Per sequence, as on the serialized route (`decode.ActiveSequence`): its `TokenSelector` (sampling
+parameters, penalties, logit bias, its own PRNG key, so a seeded request draws the same tokens
+whatever its companions), its logits processors called on its own row of logits (shape (1, vocab))
+until they retire, its logprobs, its EOS set and `max_tokens`. Rows that are greedy without
+processors or penalties (logit bias allowed) are chosen by one batched argmax.
+
+Token accounting: at every call boundary a row's cache holds `fed_tokens()`: the prompt tokens
+processed and the generated tokens read so far (each token read has already been fed to the step
+queued before it was read, so an EOS and the last token of a `max_tokens` finish are fed, which
+differs from the serialized route: the snapshots' keys say exactly what they hold either way).
+
+Errors: a prefill chunk that raises fails that sequence only; a processor or sampler that raises
+fails its row only; the batched forward pass raising (or its evaluation) fails every row in it,
+the only requests it can be attributed to, and the batch starts again empty.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from trio_mlx.engine.decode import (
+    GenerationJob,
+    LogitsProcessor,
+    PendingToken,
+    PrefillPlan,
+    read_logprobs,
+)
+from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
+from trio_mlx.types import TokenLogprob
+
+#: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
+GPU_MAX_NUM_SEQS = 64
+
+
+def default_max_num_seqs() -> int:
+    """1 on MLX's CPU backend (its step time grows linearly with the batch: 191 ms at 1 sequence,
+    1,291 ms at 8 on SmolLM2-135M), `GPU_MAX_NUM_SEQS` on a GPU."""
+    return GPU_MAX_NUM_SEQS if mx.default_device() == mx.gpu else 1
+
+
+def device_memory_bytes() -> int:
+    """The device's memory: the GPU's where MLX reports it, else the machine's."""
+    info = mx.device_info()
+    sizes = [v for k, v in info.items() if "memory" in k and isinstance(v, int) and v > 0]
+    if sizes and mx.default_device() == mx.gpu:
+        return max(sizes)
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def batchable(cache: Sequence[Any]) -> bool:
+    """Whether every layer of a prompt cache can be merged into a batch (`merge`/`extend`)."""
+    return all(hasattr(c, "merge") for c in cache)
+
+
+class BatchSequence:
+    """One sequence of a `BatchDecoder`: its job, sampler, processors and where it has got to.
+
+    `cache` is its own prompt cache while it prefills, None while it is a row of the batch, and
+    the cache extracted from the batch once it has left (finished or aborted), for a snapshot.
+    """
+
+    def __init__(
+        self,
+        job: GenerationJob,
+        model: Any,
+        *,
+        vocab_size: int,
+        plan: PrefillPlan,
+        max_kv_size: int | None,
+        cache: list[Any] | None,
+        cached_tokens: int,
+        split_at_store_points: bool,
+    ) -> None:
+        if not job.prompt_tokens:
+            raise ValueError("a generation needs at least one prompt token")
+        if cache is None:
+            cached_tokens = 0
+        self.job = job
+        self.request_id = job.request_id
+        self.cache: list[Any] | None = make_cache(model, max_kv_size) if cache is None else cache
+        self.cached_tokens = cached_tokens
+        self._plan = plan if cached_tokens % plan.block == 0 else PrefillPlan(plan.step)
+        self._split = split_at_store_points
+        last = len(job.prompt_tokens) - 1
+        self._store_points = sorted({p for p in job.store_points if cached_tokens < p <= last})
+        self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
+        self.prompt_done = cached_tokens
+        self.selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
+        self.processors: list[LogitsProcessor] = list(job.logits_processors)
+        self.history: Any = mx.array(job.prompt_tokens, dtype=mx.int32) if self.processors else None
+        self.fed_generated: list[int] = []
+        self.generated = 0
+        self.finished = False
+        #: leaves the batch at the next step (finished, aborted or failed)
+        self.removed = False
+        #: a per-row failure (a processor or the sampler raised), reported at the next read
+        self.failure: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Every prompt token but the last is in the cache: it can join the batch."""
+        return self.prompt_done >= len(self.job.prompt_tokens) - 1
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prompt_done >= len(self.job.prompt_tokens)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy, no processors, no penalties: chosen by the batch's argmax (bias allowed)."""
+        return not self.processors and self.selector.batch_greedy
+
+    def fed_tokens(self) -> tuple[int, ...]:
+        """The tokens this sequence's cache holds at a call boundary, in order."""
+        return self.job.prompt_tokens[: self.prompt_done] + tuple(self.fed_generated)
+
+    def prefill_chunk(self, model: Any, limit: int) -> tuple[int, tuple[int, ...]]:
+        """Run one chunk of at most `limit` prompt tokens (whole blocks, the last padded and cut
+        back) on this sequence's own cache; return the tokens prefilled and the store points
+        reached. Raises whatever the model raises."""
+        assert self.cache is not None
+        remaining = len(self.job.prompt_tokens) - 1 - self.prompt_done
+        if remaining <= 0:
+            return 0, ()
+        block = self._plan.block
+        n = min(limit, self._plan.step, remaining)
+        if self._split and self._store_points:
+            n = min(n, self._store_points[0] - self.prompt_done)
+        if block > 1 and n >= block:
+            n -= n % block
+        chunk = self._prompt[self.prompt_done : self.prompt_done + n]
+        padding = -n % block
+        if padding:
+            chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], padding)])
+        model(chunk[None], cache=self.cache)
+        if padding:
+            for layer in self.cache:
+                layer.trim(padding)
+        mx.eval([c.state for c in self.cache])
+        self.prompt_done += n
+        reached = []
+        while self._store_points and self._store_points[0] <= self.prompt_done:
+            reached.append(self._store_points.pop(0))
+        return n, tuple(reached)
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """What one step produced for one sequence: a token (none on EOS or failure), a finish."""
+
+    seq: BatchSequence
+    tokens: tuple[int, ...] = ()
+    finish: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """One prefill chunk of one sequence (or its failure)."""
+
+    seq: BatchSequence
+    prefilled: int = 0
+    store_points: tuple[int, ...] = ()
+    error: str | None = None
+
+
+class _Queued:
+    """A queued decode step: its rows (in row order) and their lazy outputs."""
+
+    __slots__ = ("logprobs", "rows", "tokens")
+
+    def __init__(
+        self, rows: list[BatchSequence], tokens: Any, logprobs: dict[int, PendingToken]
+    ) -> None:
+        self.rows = rows
+        self.tokens = tokens
+        self.logprobs = logprobs
+
+
+class BatchDecoder:
+    """The decode batch and the sequences waiting to join it (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        eos_token_ids: frozenset[int],
+        *,
+        vocab_size: int,
+        plan: PrefillPlan,
+        max_kv_size: int | None = None,
+        split_at_store_points: bool = True,
+    ) -> None:
+        self._model = model
+        self._eos = eos_token_ids
+        self._vocab = vocab_size
+        self._plan = plan
+        self._max_kv_size = max_kv_size
+        self._split = split_at_store_points
+        self.waiting: list[BatchSequence] = []
+        self.rows: list[BatchSequence] = []
+        self._cache: list[Any] = []
+        self._inputs: Any = None
+        self._queued: _Queued | None = None
+        self._bias: Any = None
+        self._bias_stale = True
+        self.steps = 0
+
+    # ---- membership ---------------------------------------------------------------------------
+
+    def add(self, job: GenerationJob, cache: list[Any] | None, cached_tokens: int) -> BatchSequence:
+        """Admit `job` (from a restored `cache` holding `cached_tokens`, or fresh) to prefill."""
+        seq = BatchSequence(
+            job,
+            self._model,
+            vocab_size=self._vocab,
+            plan=self._plan,
+            max_kv_size=self._max_kv_size,
+            cache=cache,
+            cached_tokens=cached_tokens,
+            split_at_store_points=self._split,
+        )
+        self.waiting.append(seq)
+        return seq
+
+    def remove(self, request_id: int, *, keep_cache: bool = False) -> BatchSequence | None:
+        """Take `request_id` out: at once if it is prefilling, at the next step if it is a row.
+        With `keep_cache`, a row's cache is extracted first (for a snapshot)."""
+        for i, seq in enumerate(self.waiting):
+            if seq.request_id == request_id:
+                del self.waiting[i]
+                return seq
+        for i, seq in enumerate(self.rows):
+            if seq.request_id == request_id and not seq.removed:
+                seq.removed = True
+                if keep_cache and seq.prefill_done:
+                    seq.cache = self._extract(i)
+                return seq
+        return None
+
+    @property
+    def live(self) -> int:
+        return len(self.waiting) + sum(1 for s in self.rows if not s.removed)
+
+    @property
+    def decoding(self) -> int:
+        """Rows that will take part in the next step."""
+        return sum(1 for s in self.rows if not s.removed)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.rows or self._queued)
+
+    def kv_bytes(self) -> int:
+        """Memory of the batch's cache and the waiting sequences' own caches."""
+        total = sum(int(c.nbytes) for c in self._cache)
+        for seq in self.waiting:
+            if seq.cache is not None:
+                total += sum(int(c.nbytes) for c in seq.cache)
+        return total
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    def decode(self) -> list[RowResult]:
+        """One step: drop removed rows, queue the next forward pass, read the previous one."""
+        self._drop_removed()
+        try:
+            queued = self._queue_step() if self.rows else None
+            results = self._read(self._queued) if self._queued is not None else []
+        except Exception as exc:
+            return self._fail_batch(exc)
+        self._queued = queued
+        return results
+
+    def _queue_step(self) -> _Queued:
+        rows = list(self.rows)
+        for seq in rows:
+            seq.prompt_done = len(seq.job.prompt_tokens)
+        logits = self._model(self._inputs[:, None], cache=self._cache)[:, -1, :]
+        tokens, logprobs = self._choose(rows, logits)
+        self._inputs = tokens
+        mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
+        self.steps += 1
+        if self.steps % 256 == 0:
+            mx.clear_cache()
+        return _Queued(rows, tokens, logprobs)
+
+    def _choose(self, rows: list[BatchSequence], logits: Any) -> tuple[Any, dict[int, Any]]:
+        """The next token of every row (shape (B,), lazy), and the rows' logprob arrays."""
+        greedy: Any = None
+        if any(s.plain for s in rows):
+            bias = self._bias_matrix(rows, logits.shape[-1])
+            greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
+        if all(s.plain and not s.job.params.logprobs for s in rows):
+            return greedy, {}
+        pieces: list[Any] = []
+        logprobs: dict[int, Any] = {}
+        for i, seq in enumerate(rows):
+            raw = logits[i : i + 1]
+            try:
+                token = greedy[i : i + 1] if seq.plain else self._sample(seq, raw)
+                if seq.job.params.logprobs:
+                    chosen, ids, values = logprob_arrays(raw, token, seq.job.params.top_logprobs)
+                    logprobs[i] = PendingToken(token, chosen, ids, values)
+            except Exception as exc:
+                seq.failure = f"{type(exc).__name__}: {exc}"
+                token = mx.argmax(raw, -1)
+            pieces.append(token.astype(mx.uint32))
+        return mx.concatenate(pieces), logprobs
+
+    def _sample(self, seq: BatchSequence, raw: Any) -> Any:
+        logits = raw
+        for processor in seq.processors:
+            logits = processor(seq.history, logits)
+        if seq.selector.adjusts_logits:
+            logits = seq.selector.adjust(logits)
+        token = seq.selector.choose(logits)
+        if seq.processors:
+            seq.history = mx.concatenate([seq.history, token.astype(mx.int32)])
+        return token
+
+    def _bias_matrix(self, rows: list[BatchSequence], width: int) -> Any:
+        """Every row's logit bias stacked (zeros for rows without one), None when no row has
+        one; rebuilt only when the rows change."""
+        if self._bias_stale:
+            self._bias_stale = False
+            biases = [s.selector.bias if s.plain else None for s in rows]
+            if all(b is None for b in biases) or width != self._vocab:
+                self._bias = None
+            else:
+                zeros = mx.zeros((self._vocab,), dtype=mx.float32)
+                self._bias = mx.stack([zeros if b is None else b for b in biases])
+        return self._bias
+
+    def _read(self, queued: _Queued) -> list[RowResult]:
+        mx.eval(queued.tokens)
+        values = queued.tokens.tolist()
+        results: list[RowResult] = []
+        for i, seq in enumerate(queued.rows):
+            if seq.removed:
+                continue  # aborted since: nothing more to say
+            token = int(values[i])
+            seq.fed_generated.append(token)
+            if seq.failure is not None:
+                seq.removed = True
+                results.append(RowResult(seq, finish="error", error=seq.failure))
+                continue
+            pending = queued.logprobs.get(i)
+            logprobs = (read_logprobs(token, pending),) if pending is not None else ()
+            if seq.processors:
+                seq.processors = [p for p in seq.processors if not getattr(p, "is_retired", False)]
+                if not seq.processors:
+                    self._bias_stale = True
+            finish: str | None = None
+            tokens: tuple[int, ...] = ()
+            if token in self._eos:
+                finish = "stop"
+                logprobs = ()
+            else:
+                seq.generated += 1
+                tokens = (token,)
+                if seq.generated >= seq.job.params.max_tokens:
+                    finish = "length"
+            if finish is not None:
+                seq.finished = seq.removed = True
+                seq.cache = self._extract(self.rows.index(seq))
+            results.append(RowResult(seq, tokens, finish, logprobs))
+        return results
+
+    def _extract(self, row: int) -> list[Any]:
+        return [c.extract(row) for c in self._cache]
+
+    def _drop_removed(self) -> None:
+        keep = [i for i, seq in enumerate(self.rows) if not seq.removed]
+        if len(keep) == len(self.rows):
+            return
+        self._bias_stale = True
+        if not keep:
+            self.rows, self._cache, self._inputs = [], [], None
+            return
+        for layer in self._cache:
+            layer.filter(keep)
+        self._inputs = self._inputs[mx.array(keep)]
+        self.rows = [self.rows[i] for i in keep]
+
+    def _fail_batch(self, exc: Exception) -> list[RowResult]:
+        error = f"{type(exc).__name__}: {exc}"
+        failed = [s for s in self.rows if not s.removed]
+        for seq in failed:
+            seq.removed = True
+        self.rows, self._cache, self._inputs, self._queued = [], [], None, None
+        self._bias_stale = True
+        return [RowResult(seq, finish="error", error=error) for seq in failed]
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    def prefill(self, tokens: int, seconds: float) -> list[PrefillResult]:
+        """Prefill waiting sequences in admission order, a chunk each, until `tokens` prompt
+        tokens or `seconds` are spent. Ready sequences join only at `join()`."""
+        results: list[PrefillResult] = []
+        began = time.perf_counter()
+        for seq in list(self.waiting):
+            if tokens <= 0 or time.perf_counter() - began >= seconds:
+                break
+            if seq.ready:
+                continue
+            try:
+                n, points = seq.prefill_chunk(self._model, tokens)
+            except Exception as exc:
+                self.waiting.remove(seq)
+                results.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
+                continue
+            tokens -= n
+            results.append(PrefillResult(seq, n, points))
+        return results
+
+    def join(self) -> int:
+        """Let every ready waiting sequence join the batch (after its prefill's snapshots were
+        taken); return how many joined."""
+        joiners = [s for s in self.waiting if s.ready]
+        if not joiners:
+            return 0
+        self.waiting = [s for s in self.waiting if not s.ready]
+        caches: list[list[Any]] = []
+        for seq in joiners:
+            assert seq.cache is not None
+            caches.append(seq.cache)
+        merged = [
+            caches[0][layer].merge([c[layer] for c in caches]) for layer in range(len(caches[0]))
+        ]
+        last = mx.array([s.job.prompt_tokens[-1] for s in joiners], dtype=mx.uint32)
+        for seq in joiners:
+            seq.cache = None
+        self._bias_stale = True
+        if not self.rows:
+            self._cache, self._inputs = merged, last
+        else:
+            for mine, theirs in zip(self._cache, merged, strict=True):
+                mine.extend(theirs)
+            self._inputs = mx.concatenate([self._inputs, last])
+        self.rows.extend(joiners)
+        return len(joiners)

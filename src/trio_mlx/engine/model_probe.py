@@ -1,0 +1,47 @@
+"""What the runner measures of a loaded model before it serves: one sequence's KV cache bytes per
+token, whether its cache can be batched, and a first prefill rate for the pacer. Runs on the
+runner thread (it makes MLX arrays)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from trio_mlx.engine.batch import batchable
+from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.scheduling import PrefillPacer
+
+log = logging.getLogger(__name__)
+
+
+#: Prompt tokens of the timed forward pass at load that gives the pacer its first prefill rate.
+CALIBRATION_TOKENS = 8
+
+
+def probe_cache(model: Any, max_kv_size: int | None, pacer: PrefillPacer) -> tuple[int, bool]:
+    """KV cache bytes per token of one sequence (one position through a fresh cache), and
+    whether the cache can be merged into a batch. (0, False) when the probe fails. Times a
+    short prefill pass for `pacer`'s first estimate, so that even the first prompt's chunks are
+    sized for this device."""
+    import mlx.core as mx
+
+    try:
+        cache = make_cache(model, max_kv_size)
+        mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=cache))
+        tokens = max(CALIBRATION_TOKENS, pacer.block)
+        began = time.perf_counter()
+        timed = make_cache(model)
+        model(mx.zeros((1, tokens), dtype=mx.uint32), cache=timed)
+        mx.eval([c.state for c in timed])  # as a prefill chunk: the cache, not the logits
+        pacer.observe_chunk(tokens, time.perf_counter() - began)
+        per_token = 0
+        for layer in cache:
+            for name in ("keys", "values"):
+                array = getattr(layer, name, None)
+                if array is not None and hasattr(array, "shape") and len(array.shape) == 4:
+                    per_token += int(array.nbytes) // int(array.shape[2])
+        return per_token, batchable(cache)
+    except Exception:
+        log.exception("probing the KV cache failed")
+        return 0, False

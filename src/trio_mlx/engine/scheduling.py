@@ -1,0 +1,103 @@
+"""Scheduling policy of the runner, plain Python (no MLX): how big a prefill chunk may be, and what
+a sequence's KV cache costs at its token limit.
+
+`PrefillPacer` sizes prefill chunks by measured time rather than by a fixed token count, so that
+one chunk takes about `target_seconds` on whatever backend runs it (a 2,048-token chunk is 50 ms on
+an H200 and minutes on a 2-core CPU with the reference BLAS). Between two chunks the runner reads
+its inbox, so an abort or a cancel frees the runner within about one chunk. While other sequences
+are decoding, a chunk is further held to `decode_share` times their measured step time, so that a
+long prompt arriving lengthens each of their inter-token gaps by a bounded factor (chunked prefill
+mixed with decode).
+
+The pacer learns the prefill rate (prompt tokens per second, an exponential moving average over
+chunks) and the decode step time. The runner gives it a first rate at load, from one short timed
+pass (`runner.CALIBRATION_TOKENS`); without one it starts with `first_tokens`. A small pass
+underestimates a GPU's rate (it is launch-bound), which only makes the next chunk smaller than it
+could be; the one after is sized from that chunk's own time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: The prefill chunk's target duration in seconds (an abort waits at most about this long).
+DEFAULT_CHUNK_SECONDS = 0.25
+
+
+@dataclass
+class PrefillPacer:
+    """Chooses prefill chunk sizes from measured times. Owned by the runner thread.
+
+    - `max_tokens`: the largest chunk (`prefill_step_size`);
+    - `block`: chunks are whole multiples of this (the prefill plan's shape block);
+    - `target_seconds`: a chunk's target duration when nothing else decodes;
+    - `decode_share`: while sequences decode, a chunk takes at most this many of their step times
+      (so their inter-token gap grows at most to `1 + decode_share` times a plain step);
+    - `first_tokens`: the first chunk before anything has been measured.
+    """
+
+    max_tokens: int = 2048
+    block: int = 1
+    target_seconds: float = DEFAULT_CHUNK_SECONDS
+    decode_share: float = 2.0
+    first_tokens: int = 16
+    smoothing: float = 0.5
+    #: prompt tokens per second, learned (None: nothing measured yet)
+    rate: float | None = None
+    #: seconds of one batched decode step, learned (None: nothing measured yet)
+    decode_step: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.block < 1 or self.target_seconds <= 0:
+            raise ValueError("a pacer needs max_tokens >= 1, block >= 1, target_seconds > 0")
+
+    def budget_seconds(self, decoding: bool) -> float:
+        """How long the next prefill chunk should take."""
+        if decoding and self.decode_step is not None:
+            return min(self.target_seconds, self.decode_share * self.decode_step)
+        return self.target_seconds
+
+    def chunk_tokens(self, decoding: bool = False) -> int:
+        """Prompt tokens for the next chunk: a whole number of blocks, 1 block at least."""
+        if self.rate is None:
+            tokens = self.first_tokens
+        else:
+            tokens = int(self.rate * self.budget_seconds(decoding))
+        tokens = max(1, min(tokens, self.max_tokens))
+        if self.block > 1:
+            tokens = max(self.block, tokens - tokens % self.block)
+        return tokens
+
+    def observe_chunk(self, tokens: int, seconds: float) -> None:
+        """A prefill chunk of `tokens` took `seconds`."""
+        if tokens <= 0:
+            return
+        rate = tokens / max(seconds, 1e-6)
+        self.rate = rate if self.rate is None else _blend(self.rate, rate, self.smoothing)
+
+    def observe_decode(self, seconds: float) -> None:
+        """A batched decode step took `seconds`."""
+        if self.decode_step is None:
+            self.decode_step = seconds
+        else:
+            self.decode_step = _blend(self.decode_step, seconds, 0.2)
+
+
+def _blend(old: float, new: float, weight: float) -> float:
+    return (1 - weight) * old + weight * new
+
+
+def kv_tokens_limit(prompt_tokens: int, max_tokens: int, max_kv_size: int | None) -> int:
+    """Positions a sequence's KV cache holds at most: its prompt and completion, bounded by a
+    rotating cache's size."""
+    total = prompt_tokens + max_tokens
+    return total if max_kv_size is None else min(total, max_kv_size)
+
+
+def kv_bytes_at_limit(
+    prompt_tokens: int, max_tokens: int, bytes_per_token: int, max_kv_size: int | None
+) -> int:
+    """A sequence's KV memory at its token limit, rounded up to mlx-lm's 256-position steps."""
+    positions = kv_tokens_limit(prompt_tokens, max_tokens, max_kv_size)
+    return math.ceil(positions / 256) * 256 * bytes_per_token

@@ -1,0 +1,345 @@
+"""Continuous batching (`max_num_seqs > 1`) on the tiny fp32 model: every request's output in a
+batch equals the same request run alone on the serialized route, whatever joins or leaves the
+batch around it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import trio_mlx
+from model_wrappers import FaultyModel, GatedModel, wrapping_loader
+from servers import eventually
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog because",
+    "Once upon a time",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24",
+    "Paris is the capital of",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "A",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor",
+]
+SYSTEM = {"role": "system", "content": "You are a terse assistant that answers in one word."}
+
+
+async def alone(model_dir: Path, prompts: list[str], **sampling: Any) -> list[list[int]]:
+    """Each prompt run by itself on the serialized route."""
+    async with trio_mlx.open_engine(model_dir, max_num_seqs=1) as engine:
+        return [(await engine.generate(p, **sampling)).tokens for p in prompts]
+
+
+async def together(engine: trio_mlx.Engine, prompts: list[str], **sampling: Any) -> list[Any]:
+    outputs: list[Any] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        outputs[i] = await engine.generate(prompts[i], **sampling)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return outputs
+
+
+async def assert_idle(engine: trio_mlx.Engine) -> None:
+    """Nothing holds a slot, nothing waits, and the runner's batch empties (its counters are
+    updated at the end of the step that delivered the last finish)."""
+    await eventually(lambda: not engine.get_stats()["runner"]["live_sequences"])
+    stats = engine.get_stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["slot_holders"] == []
+    assert stats["runner"]["live_sequences"] == 0 and stats["runner"]["requests_in_flight"] == 0
+    assert stats["kv_reserved_bytes"] == 0
+
+
+async def test_eight_prompts_in_one_batch_equal_each_alone(tiny_model_dir: Path) -> None:
+    sampling = {"max_tokens": 10, "temperature": 0.0}
+    expected = await alone(tiny_model_dir, PROMPTS, **sampling)
+    loader, made = wrapping_loader(GatedModel)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=8, loader=loader) as engine:
+        gate = made[0].gate
+        gate.clear()  # hold the runner until all eight are submitted: they prefill together
+        async with trio.open_nursery() as nursery:
+            outputs: list[Any] = [None] * 8
+
+            async def one(i: int) -> None:
+                outputs[i] = await engine.generate(PROMPTS[i], **sampling)
+
+            for i in range(8):
+                nursery.start_soon(one, i)
+            await eventually(lambda: engine.get_stats()["running"] == 8)
+            gate.set()
+        stats = engine.get_stats()
+        assert [o.tokens for o in outputs] == expected
+        assert all(o.finish_reason == "length" for o in outputs)
+        assert stats["runner"]["batching"] is True
+        assert max(int(size) for size in stats["runner"]["batch_sizes"]) == 8
+        await assert_idle(engine)
+
+
+async def test_arrivals_while_a_batch_decodes(tiny_model_dir: Path) -> None:
+    long = {"max_tokens": 30, "temperature": 0.0}
+    short = {"max_tokens": 6, "temperature": 0.0}
+    expected_long = await alone(tiny_model_dir, PROMPTS[:2], **long)
+    expected_short = await alone(tiny_model_dir, PROMPTS[2:5], **short)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=5) as engine:
+        results: dict[str, Any] = {}
+
+        async def stream(name: str, prompt: str, started: trio.Event | None) -> None:
+            tokens: list[int] = []
+            async for out in engine.stream_generate(prompt, **long):
+                tokens.extend(out.new_tokens)
+                if started is not None and len(tokens) >= 3:
+                    started.set()
+            results[name] = tokens
+
+        async with trio.open_nursery() as nursery:
+            first, second = trio.Event(), trio.Event()
+            nursery.start_soon(stream, "a", PROMPTS[0], first)
+            nursery.start_soon(stream, "b", PROMPTS[1], second)
+            await first.wait()
+            await second.wait()
+            # Both are decoding: three more arrive together and join the batch.
+            async with trio.open_nursery() as arrivals:
+                for i, prompt in enumerate(PROMPTS[2:5]):
+                    arrivals.start_soon(short_one, engine, results, f"s{i}", prompt, short)
+        assert [results["a"], results["b"]] == expected_long
+        assert [results[f"s{i}"] for i in range(3)] == expected_short
+        assert max(int(size) for size in engine.get_stats()["runner"]["batch_sizes"]) >= 3
+        await assert_idle(engine)
+
+
+async def short_one(
+    engine: trio_mlx.Engine, results: dict[str, Any], name: str, prompt: str, sampling: Any
+) -> None:
+    results[name] = (await engine.generate(prompt, **sampling)).tokens
+
+
+async def test_an_abort_and_a_stop_string_mid_batch_leave_the_others_alone(
+    tiny_model_dir: Path,
+) -> None:
+    sampling = {"max_tokens": 24, "temperature": 0.0}
+    expected = await alone(tiny_model_dir, PROMPTS[:4], **sampling)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        # The stop string: the text of the third request's tokens 4..6, as generated alone.
+        text = engine.tokenizer.decode(expected[2], skip_special_tokens=True)
+        reference = engine.tokenizer.decode(expected[2][:4], skip_special_tokens=True)
+        stop = text[len(reference) : len(reference) + 5]
+        assert stop.strip()
+        results: dict[int, Any] = {}
+
+        async def run(i: int) -> None:
+            results[i] = await engine.generate(PROMPTS[i], **sampling)
+
+        async def aborted() -> None:
+            got: list[int] = []
+            async with engine.open_stream(engine.prepare_generate(PROMPTS[1], **sampling)) as out:
+                async for part in out:
+                    got.extend(part.new_tokens)
+                    if len(got) >= 3:
+                        break  # the client goes away mid-batch: leaving the block aborts it
+            results[1] = got
+
+        async def stopped() -> None:
+            results[2] = await engine.generate(PROMPTS[2], stop=stop, **sampling)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, 0)
+            nursery.start_soon(aborted)
+            nursery.start_soon(stopped)
+            nursery.start_soon(run, 3)
+        assert results[0].tokens == expected[0] and results[3].tokens == expected[3]
+        assert results[1] == expected[1][: len(results[1])] and len(results[1]) >= 3
+        assert results[2].finish_reason == "stop" and stop not in results[2].text
+        assert text.startswith(results[2].text)
+        stats = engine.get_stats()
+        assert stats["runner"]["aborted"] >= 1
+        await assert_idle(engine)
+
+
+async def test_a_seeded_request_draws_the_same_tokens_whatever_its_companions(
+    tiny_model_dir: Path,
+) -> None:
+    seeded = {"max_tokens": 12, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
+        reference = (await engine.generate(PROMPTS[1], **seeded)).tokens
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        outputs: list[Any] = [None] * 4
+
+        async def run(i: int, **sampling: Any) -> None:
+            outputs[i] = await engine.generate(PROMPTS[i], **sampling)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial_run(run, 0, max_tokens=12, temperature=0.9, seed=7))
+            nursery.start_soon(partial_run(run, 1, **seeded))
+            nursery.start_soon(partial_run(run, 2, max_tokens=5, temperature=0.0))
+            nursery.start_soon(partial_run(run, 3, max_tokens=12, temperature=1.2))
+        assert outputs[1].tokens == reference
+        # and again, beside different companions
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial_run(run, 0, max_tokens=3, temperature=0.0))
+            nursery.start_soon(partial_run(run, 1, **seeded))
+        assert outputs[1].tokens == reference
+
+
+def partial_run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def call() -> None:
+        await fn(*args, **kwargs)
+
+    return call
+
+
+async def test_prefix_cache_hits_inside_a_batch_equal_uncached_output(
+    tiny_model_dir: Path,
+) -> None:
+    users = ["What is two plus two?", "Name a colour.", "Say hi.", "Count to three."]
+    conversations = [[SYSTEM, {"role": "user", "content": u}] for u in users]
+    sampling = {"max_tokens": 8, "temperature": 0.0}
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1, cache_memory_bytes=0) as plain:
+        expected = [(await plain.chat(c, **sampling)).tokens for c in conversations]
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        first = await engine.chat(conversations[0], **sampling)  # stores the system prompt
+        assert first.tokens == expected[0]
+        outputs: list[Any] = [None] * 4
+
+        async def run(i: int) -> None:
+            outputs[i] = await engine.chat(conversations[i], **sampling)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(run, i)
+        assert [o.tokens for o in outputs] == expected
+        assert all(o.cached_tokens > 0 for o in outputs)
+        stats = engine.get_cache_stats()
+        assert stats["hits"] >= 4 and stats["tokens_saved"] > 0
+        await assert_idle(engine)
+
+
+async def test_a_model_error_fails_only_the_request_it_belongs_to(tiny_model_dir: Path) -> None:
+    # A logits processor that raises belongs to one request: only that one fails.
+    def broken(tokens: Any, logits: Any) -> Any:
+        raise RuntimeError("processor broke")
+
+    sampling = {"max_tokens": 8, "temperature": 0.0}
+    expected = await alone(tiny_model_dir, PROMPTS[:2], **sampling)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        bad = engine.prepare_generate(PROMPTS[2], **sampling)
+        bad = dataclasses.replace(bad, logits_processors=(broken,))
+        outputs: dict[str, Any] = {}
+
+        async def run_bad() -> None:
+            async with engine.open_stream(bad) as stream:
+                async for out in stream:
+                    outputs["bad"] = out
+
+        async def run(i: int) -> None:
+            outputs[str(i)] = await engine.generate(PROMPTS[i], **sampling)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, 0)
+            nursery.start_soon(run_bad)
+            nursery.start_soon(run, 1)
+        assert outputs["bad"].finish_reason == "error"
+        assert "processor broke" in (outputs["bad"].error or "")
+        assert [outputs["0"].tokens, outputs["1"].tokens] == expected
+        await assert_idle(engine)
+
+
+async def test_kv_memory_budget_queues_instead_of_crashing(tiny_model_dir: Path) -> None:
+    # A budget for about one sequence at its limit: the second waits for the first (wait mode),
+    # or is refused at once (fail-fast), although slots are free.
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=4, kv_memory_bytes=1, admission="fail-fast"
+    ) as engine:
+        async with engine.open_stream(engine.prepare_generate("Hi", max_tokens=40)) as first:
+            await first.__anext__()
+            try:
+                await engine.generate("Hello", max_tokens=4)
+            except trio_mlx.EngineBusy as exc:
+                assert exc.retry_after is not None and exc.retry_after >= 1
+            else:
+                raise AssertionError("the KV budget did not refuse the second request")
+        stats = engine.get_stats()
+        assert stats["memory_waits"] >= 1 and stats["busy_rejections"] >= 1
+        assert (await engine.generate("Hello", max_tokens=4)).completion_tokens == 4
+
+
+class ForcingProcessor:
+    """Forces `token` for its first `lifetime` calls, then retires (records what it was shown)."""
+
+    def __init__(self, token: int, lifetime: int) -> None:
+        self.token = token
+        self.lifetime = lifetime
+        self.lengths: list[int] = []
+
+    @property
+    def is_retired(self) -> bool:
+        return len(self.lengths) >= self.lifetime
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+
+        assert logits.shape[0] == 1  # its own row of the batch
+        self.lengths.append(int(tokens.shape[0]))
+        return mx.where(mx.arange(logits.shape[-1]) == self.token, 100.0, logits)
+
+
+async def test_a_retiring_processor_shapes_only_its_own_row(tiny_model_dir: Path) -> None:
+    sampling = {"max_tokens": 10, "temperature": 0.0}
+    expected = await alone(tiny_model_dir, PROMPTS[:3], **sampling)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
+        serial = ForcingProcessor(token=42, lifetime=3)
+        request = engine.prepare_generate(PROMPTS[1], **sampling)
+        async with engine.open_stream(
+            dataclasses.replace(request, logits_processors=(serial,))
+        ) as stream:
+            forced_alone = [t async for out in stream for t in out.new_tokens]
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        processor = ForcingProcessor(token=42, lifetime=3)
+        outputs: dict[int, Any] = {}
+
+        async def forced() -> None:
+            request = engine.prepare_generate(PROMPTS[1], **sampling)
+            request = dataclasses.replace(request, logits_processors=(processor,))
+            async with engine.open_stream(request) as stream:
+                outputs[1] = [t async for out in stream for t in out.new_tokens]
+
+        async def run(i: int) -> None:
+            outputs[i] = (await engine.generate(PROMPTS[i], **sampling)).tokens
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, 0)
+            nursery.start_soon(forced)
+            nursery.start_soon(run, 2)
+        assert outputs[1][:3] == [42, 42, 42] and outputs[1] == forced_alone
+        assert processor.lengths == serial.lengths  # shown the same history, then retired
+        assert [outputs[0], outputs[2]] == [expected[0], expected[2]]
+        await assert_idle(engine)
+
+
+async def test_a_prefill_failure_fails_only_its_own_request(tiny_model_dir: Path) -> None:
+    sampling = {"max_tokens": 8, "temperature": 0.0}
+    expected = await alone(tiny_model_dir, [PROMPTS[1], PROMPTS[4]], **sampling)
+    loader, _ = wrapping_loader(lambda inner: FaultyModel(inner, poison=31337))
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4, loader=loader) as engine:
+        outputs: dict[str, Any] = {}
+
+        async def run(name: str, prompt: Any) -> None:
+            async with engine.open_stream(engine.prepare_generate(prompt, **sampling)) as stream:
+                async for out in stream:
+                    outputs[name] = out
+
+        poisoned = list(engine.prepare_generate(PROMPTS[3]).prompt_tokens)
+        poisoned[2] = 31337  # inside the prompt: its prefill raises
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "a", PROMPTS[1])
+            nursery.start_soon(run, "bad", poisoned)
+            nursery.start_soon(run, "b", PROMPTS[4])
+        assert outputs["bad"].finish_reason == "error" and "poison" in outputs["bad"].error
+        assert [outputs["a"].tokens, outputs["b"].tokens] == expected
+        assert engine.get_stats()["runner"]["failed"] == 1
+        await assert_idle(engine)
+        assert (await engine.generate(PROMPTS[0], **sampling)).finish_reason == "length"

@@ -1,0 +1,59 @@
+"""The runner's scheduling policy and admission's KV accounting, without MLX or Trio runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from trio_mlx.actors.admission import AdmissionBook
+from trio_mlx.engine.scheduling import PrefillPacer, kv_bytes_at_limit, kv_tokens_limit
+from trio_mlx.errors import EngineBusy
+
+
+def test_the_pacer_sizes_chunks_by_measured_time() -> None:
+    pacer = PrefillPacer(max_tokens=2048, target_seconds=0.25)
+    assert pacer.chunk_tokens() == pacer.first_tokens  # nothing measured yet
+    pacer.observe_chunk(8, 1.6)  # 5 tokens/s: a slow CPU
+    assert pacer.chunk_tokens() == 1  # 0.25 s of it
+    slow = PrefillPacer(max_tokens=2048, target_seconds=0.5)
+    slow.observe_chunk(100, 1.0)
+    assert slow.chunk_tokens() == 50
+    fast = PrefillPacer(max_tokens=2048)
+    fast.observe_chunk(64, 0.001)
+    assert fast.chunk_tokens() == 2048  # capped at the prefill step
+
+
+def test_chunks_shrink_while_others_decode_and_stay_whole_blocks() -> None:
+    pacer = PrefillPacer(max_tokens=2048, block=64, target_seconds=0.25)
+    pacer.observe_chunk(1000, 0.1)  # 10,000 tokens/s
+    assert pacer.chunk_tokens(decoding=False) == 2048
+    pacer.observe_decode(0.01)  # a decode step takes 10 ms: a chunk gets 2 of them
+    assert pacer.chunk_tokens(decoding=True) == 192  # 200 tokens, cut to whole blocks
+    pacer.observe_chunk(10, 1.0)  # very slow now: still one whole block
+    assert pacer.chunk_tokens(decoding=True) == 64
+
+
+def test_kv_limits_count_prompt_and_completion_bounded_by_max_kv_size() -> None:
+    assert kv_tokens_limit(100, 50, None) == 150
+    assert kv_tokens_limit(100, 50, 64) == 64
+    assert kv_bytes_at_limit(100, 50, 10, None) == 256 * 10  # mlx-lm grows in 256-token steps
+
+
+def test_admission_queues_on_kv_memory_even_with_free_slots() -> None:
+    book = AdmissionBook(slots=4, mode="wait", max_waiting=2)
+    book.account_kv(1000, 1)
+    assert book.try_admit(1, 600)
+    assert not book.try_admit(2, 600)  # a slot is free, the memory is not
+    book.enqueue(2, 600)
+    assert not book.try_admit(3, 100)  # nobody overtakes the queue
+    book.release(1)
+    assert book.statistics().running == 1 and book.statistics().kv_reserved_bytes == 600
+    assert book.statistics().memory_waits == 1
+
+
+def test_a_request_larger_than_the_budget_runs_alone() -> None:
+    book = AdmissionBook(slots=4, mode="fail-fast")
+    book.account_kv(1000, 1)
+    assert book.try_admit(1, 5000)  # alone: admitted
+    assert not book.try_admit(2, 10)
+    with pytest.raises(EngineBusy):
+        book.enqueue(2, 10)  # fail-fast: 429 at once
