@@ -25,11 +25,21 @@ def test_the_pacer_sizes_chunks_by_measured_time() -> None:
 def test_chunks_shrink_while_others_decode_and_stay_whole_blocks() -> None:
     pacer = PrefillPacer(max_tokens=2048, block=64, target_seconds=0.25)
     pacer.observe_chunk(1000, 0.1)  # 10,000 tokens/s
-    assert pacer.chunk_tokens(decoding=False) == 2048
+    assert pacer.chunk_tokens(decoding=0) == 2048
     pacer.observe_decode(0.01)  # a decode step takes 10 ms: a chunk gets 2 of them
-    assert pacer.chunk_tokens(decoding=True) == 192  # 200 tokens, cut to whole blocks
+    assert pacer.chunk_tokens(decoding=4, waiting=1) == 192  # 200 tokens, cut to whole blocks
     pacer.observe_chunk(10, 1.0)  # very slow now: still one whole block
-    assert pacer.chunk_tokens(decoding=True) == 64
+    assert pacer.chunk_tokens(decoding=4, waiting=1) == 64
+
+
+def test_a_crowd_waiting_beside_a_small_batch_gets_a_longer_chunk() -> None:
+    pacer = PrefillPacer(max_tokens=4096, target_seconds=0.25)
+    pacer.observe_chunk(1000, 0.1)  # 10,000 tokens/s
+    pacer.observe_decode(0.01)
+    assert pacer.budget_seconds(decoding=4, waiting=4) == 0.02  # as many waiting as decoding
+    assert pacer.budget_seconds(decoding=1, waiting=7) == 0.14  # seven newcomers, one stream
+    assert pacer.chunk_tokens(decoding=1, waiting=7) == 1400
+    assert pacer.budget_seconds(decoding=1, waiting=100) == 0.25  # never past the chunk target
 
 
 def test_kv_limits_count_prompt_and_completion_bounded_by_max_kv_size() -> None:

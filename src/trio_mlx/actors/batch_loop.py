@@ -7,8 +7,8 @@ The loop, top to bottom, once per step while anything is live:
    go to Trio at once, then the finished sequences' snapshots are taken;
 3. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
    measured time, held to a couple of decode steps while rows decode, so a long prompt arriving
-   does not stall the streams already decoding), its store-point snapshots, and the sequences
-   whose prefill is complete join the batch.
+   does not stall the streams already decoding, more when many wait beside a small batch), its
+   store-point snapshots, and the sequences whose prefill is complete join the batch.
 
 The protocol with Trio is the serialized route's (see `runner`): one `SequenceEvent` batch per
 step via `run_sync_soon`, `Runner.submit` / `Runner.abort` / `TokenSink.push` unchanged.
@@ -91,9 +91,11 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             runner._emit(events, stores)
             events, stores = [], []
         if batch.waiting:
-            decoding = batch.decoding > 0
+            decoding, waiting = batch.decoding, len(batch.waiting)
             chunk_began = time.perf_counter()
-            results = batch.prefill(pacer.chunk_tokens(decoding), pacer.budget_seconds(decoding))
+            results = batch.prefill(
+                pacer.chunk_tokens(decoding, waiting), pacer.budget_seconds(decoding, waiting)
+            )
             prefilled = 0
             for pre in results:
                 seq = pre.seq

@@ -5,9 +5,10 @@ a sequence's KV cache costs at its token limit.
 one chunk takes about `target_seconds` on whatever backend runs it (a 2,048-token chunk is 50 ms on
 an H200 and minutes on a 2-core CPU with the reference BLAS). Between two chunks the runner reads
 its inbox, so an abort or a cancel frees the runner within about one chunk. While other sequences
-are decoding, a chunk is further held to `decode_share` times their measured step time, so that a
-long prompt arriving lengthens each of their inter-token gaps by a bounded factor (chunked prefill
-mixed with decode).
+are decoding, a chunk is further held to `decode_share` times their measured step time per
+sequence waiting to join for each one decoding (at least one), so that a long prompt arriving
+lengthens each of their inter-token gaps by a bounded factor (chunked prefill mixed with decode),
+while a crowd arriving at a small batch joins it in one step instead of one step each.
 
 The pacer learns the prefill rate (prompt tokens per second, an exponential moving average over
 chunks) and the decode step time. The runner gives it a first rate at load, from one short timed
@@ -33,7 +34,8 @@ class PrefillPacer:
     - `block`: chunks are whole multiples of this (the prefill plan's shape block);
     - `target_seconds`: a chunk's target duration when nothing else decodes;
     - `decode_share`: while sequences decode, a chunk takes at most this many of their step times
-      (so their inter-token gap grows at most to `1 + decode_share` times a plain step);
+      per waiting sequence for each decoding one (at least one: with as many waiting as decoding
+      or fewer, their inter-token gap grows at most to `1 + decode_share` times a plain step);
     - `first_tokens`: the first chunk before anything has been measured.
     """
 
@@ -52,18 +54,20 @@ class PrefillPacer:
         if self.max_tokens < 1 or self.block < 1 or self.target_seconds <= 0:
             raise ValueError("a pacer needs max_tokens >= 1, block >= 1, target_seconds > 0")
 
-    def budget_seconds(self, decoding: bool) -> float:
-        """How long the next prefill chunk should take."""
+    def budget_seconds(self, decoding: int = 0, waiting: int = 1) -> float:
+        """How long the next prefill chunk should take, with `decoding` sequences decoding and
+        `waiting` ones waiting to join."""
         if decoding and self.decode_step is not None:
-            return min(self.target_seconds, self.decode_share * self.decode_step)
+            crowd = max(1.0, waiting / decoding)
+            return min(self.target_seconds, self.decode_share * self.decode_step * crowd)
         return self.target_seconds
 
-    def chunk_tokens(self, decoding: bool = False) -> int:
+    def chunk_tokens(self, decoding: int = 0, waiting: int = 1) -> int:
         """Prompt tokens for the next chunk: a whole number of blocks, 1 block at least."""
         if self.rate is None:
             tokens = self.first_tokens
         else:
-            tokens = int(self.rate * self.budget_seconds(decoding))
+            tokens = int(self.rate * self.budget_seconds(decoding, waiting))
         tokens = max(1, min(tokens, self.max_tokens))
         if self.block > 1:
             tokens = max(self.block, tokens - tokens % self.block)
