@@ -88,14 +88,18 @@ MIN_PIXELS = 784
 MAX_PIXELS = 784 * 64
 
 
-def tiny_vlm_config() -> dict[str, Any]:
+def tiny_vlm_config(
+    text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """config.json: the text settings at the root (mlx-vlm reads them there) and in
-    `text_config` (transformers reads them there)."""
+    `text_config` (transformers reads them there). `text` / `vision` override the tiny shape
+    (the benchmarks build real shapes this way)."""
+    text_config = {**TEXT_CONFIG, **(text or {})}
     return {
-        **TEXT_CONFIG,
+        **text_config,
         "architectures": ["Qwen2VLForConditionalGeneration"],
-        "text_config": dict(TEXT_CONFIG),
-        "vision_config": dict(VISION_CONFIG),
+        "text_config": dict(text_config),
+        "vision_config": {**VISION_CONFIG, **(vision or {})},
         "image_token_id": IMAGE_TOKEN_ID,
         "video_token_id": VIDEO_TOKEN_ID,
         "vision_start_token_id": VISION_START_ID,
@@ -120,7 +124,7 @@ def _write_tokenizer(out_dir: Path) -> None:
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
 
 
-def _write_image_processor(out_dir: Path) -> None:
+def _write_image_processor(out_dir: Path, max_pixels: int = MAX_PIXELS) -> None:
     settings = {
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2VLProcessor",
@@ -132,8 +136,8 @@ def _write_image_processor(out_dir: Path) -> None:
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
         "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
         "patch_size": 14,
         "temporal_patch_size": 2,
         "merge_size": 2,
@@ -141,22 +145,37 @@ def _write_image_processor(out_dir: Path) -> None:
     (out_dir / "preprocessor_config.json").write_text(json.dumps(settings, indent=2))
 
 
-def build_tiny_vlm(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write a tiny Qwen2-VL directory (config, random weights, tokenizer, image processor)."""
-    from mlx_vlm.models import qwen2_vl
+def build_tiny_vlm(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    model_type: str = "qwen2_vl",
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    max_pixels: int = MAX_PIXELS,
+    dtype: Any = None,
+) -> Path:
+    """Write a tiny Qwen2-VL directory (config, random weights, tokenizer, image processor).
+    `model_type` ("qwen2_vl", "qwen2_5_vl"), `text`, `vision`, `max_pixels` and `dtype` build
+    other shapes with the same tokenizer (benchmarks: `bench/multimodal.py`)."""
+    import importlib
+
     from mlx_vlm.utils import update_module_configs
 
+    arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(out_dir)
-    _write_image_processor(out_dir)
-    config = tiny_vlm_config()
+    _write_image_processor(out_dir, max_pixels)
+    text = {**(text or {}), "model_type": model_type}
+    vision = {**(vision or {}), "model_type": model_type}
+    config = tiny_vlm_config(text, vision)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     mx.random.seed(seed)
     settings = json.loads(json.dumps(config))
     model_config = update_module_configs(
-        qwen2_vl.ModelConfig.from_dict(settings), qwen2_vl, settings, ["text", "vision"]
+        arch.ModelConfig.from_dict(settings), arch, settings, ["text", "vision"]
     )
-    model = qwen2_vl.Model(model_config)
+    model = arch.Model(model_config)
     params = {}
     for name, value in tree_flatten(model.parameters()):
         if value.ndim >= 2:
@@ -165,7 +184,7 @@ def build_tiny_vlm(out_dir: Path, *, seed: int = 0) -> Path:
             ("o_proj.weight", "down_proj.weight", "mlp.fc2.weight", "attn.proj.weight")
         ):
             value = value * 3.0
-        params[name] = value
+        params[name] = value if dtype is None else value.astype(dtype)
     mx.save_safetensors(str(out_dir / "model.safetensors"), params)
     return out_dir
 
