@@ -17,6 +17,7 @@ os.environ.setdefault("TRIO_MLX_BLAS", "reference")
 
 import trio_mlx
 from tiny_model import build_tiny_model
+from tiny_vlm import build_tiny_vlm
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,6 +38,12 @@ def long_run(request: pytest.FixtureRequest) -> bool:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2-VL (tests/tiny_vlm.py), built once per run."""
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
 @pytest.fixture

@@ -193,7 +193,10 @@ async def test_invalid_sampling_values_name_their_parameter(
         ([], "messages"),
         ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
         ([{"role": "user", "content": 3}], "messages[0].content"),
-        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
+        (
+            [{"role": "user", "content": [{"type": "image_url"}]}],
+            "messages[0].content[0].image_url",
+        ),
     ],
 )
 async def test_invalid_messages_name_the_offending_field(

@@ -259,6 +259,35 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted; larger ones get 413",
     )
     parser.add_argument(
+        "--mllm",
+        action="store_true",
+        help="load MODEL through mlx-vlm as a vision-language model "
+        "(default: when its config has a vision tower mlx-vlm knows)",
+    )
+    parser.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="image and video parts may name local files under DIR (default: never)",
+    )
+    parser.add_argument(
+        "--allow-private-media-urls",
+        action="store_true",
+        help="let image and video URLs reach private and loopback addresses",
+    )
+    parser.add_argument(
+        "--max-media-mb",
+        type=float,
+        default=20.0,
+        help="largest image or video a request may name, in MiB",
+    )
+    parser.add_argument(
+        "--video-fps", type=float, default=2.0, help="frames sampled per second of video"
+    )
+    parser.add_argument(
+        "--video-max-frames", type=int, default=16, help="frames sampled from one video at most"
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,

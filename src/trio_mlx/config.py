@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trio_mlx.actors.admission import AdmissionMode
 from trio_mlx.engine.mlx_cuda import SDPA_GRAPH_CACHE
+from trio_mlx.multimodal.media import MediaPolicy
 
 #: The process-wide settings a server process turns on (`EngineConfig` fields): a short GIL
 #: switch interval (measured on the tiny model: first-token delivery 1.8 ms -> 0.2 ms) and a
@@ -52,6 +53,12 @@ class EngineConfig:
       (the machine's memory on the CPU); 0: no accounting.
     - `prefill_chunk_seconds`: a prefill chunk is sized to take about this long (measured), so
       an abort or a cancel frees the runner within about that time on any backend.
+    - `force_mllm`: load the model through mlx-vlm even if its config does not say it is a
+      vision-language model (vllm-mlx's `force_mllm`; `--mllm`).
+    - `media`: what requests with images or video may make the engine fetch and decode
+      (`multimodal.media.MediaPolicy`: local files only under `allowed_local_dir`, private and
+      loopback URLs only with `allow_private_urls`, size, time and redirect limits, the number
+      of media, video frame sampling).
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):
@@ -79,6 +86,8 @@ class EngineConfig:
     prefill_chunk_seconds: float = 0.25
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None
+    force_mllm: bool = False
+    media: MediaPolicy = field(default_factory=MediaPolicy)
 
     @property
     def admission_mode(self) -> AdmissionMode:

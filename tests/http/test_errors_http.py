@@ -49,7 +49,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
                 ]
             },
-            "messages[0].content[0].type",
+            "messages[0].content[0].image_url",
         ),
         ({"messages": MESSAGES, "temperature": 3}, "temperature"),
         ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
@@ -87,7 +87,7 @@ async def test_chat_validation(http: httpx.AsyncClient, body: dict[str, Any], pa
         (
             "/v1/responses",
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
-            "input[0].content[0].type",
+            "input[0].content[0].image_url",
         ),
     ],
 )

@@ -46,7 +46,10 @@ from trio_mlx.actors.stream import RequestStream, TokenSink
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.decode import GenerationJob
 from trio_mlx.engine.scheduling import kv_bytes_at_limit
-from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError
+from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError, InvalidRequest
+from trio_mlx.multimodal.job import MultimodalJob
+from trio_mlx.multimodal.parts import first_media_param, has_media
+from trio_mlx.multimodal.prepare import MultimodalRequest, prepare_multimodal_chat
 from trio_mlx.preparation import PreparedRequest, ReasoningTags, RequestPreparer, SamplingOptions
 from trio_mlx.text.detokenizer import decoder_for
 from trio_mlx.text.reasoning import ReasoningSplitter
@@ -148,8 +151,15 @@ class Engine:
 
         With the prefix cache on, the rendered system prompt's boundary becomes a cache point:
         the runner snapshots the cache there, so other conversations with the same system prompt
-        start from it.
+        start from it. Messages with images or video need `prepare_chat_async` (their media are
+        fetched).
         """
+        if has_media(messages):
+            self._refuse_media(messages)
+            raise InvalidRequest(
+                "messages with images or video are prepared by prepare_chat_async",
+                param=first_media_param(messages),
+            )
         return self._preparer.chat(
             messages,
             max_tokens=max_tokens,
@@ -202,11 +212,39 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        images: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
         **options: Unpack[SamplingOptions],
     ) -> PreparedRequest:
         """`prepare_chat` with the chat template and the tokenization on a worker thread (see
-        `prepare_generate_async`)."""
+        `prepare_generate_async`).
+
+        Images and video (content parts `image_url`, `input_image`, `video_url`, `image`,
+        `video`, or vllm-mlx's `images=` / `videos=`: URLs, paths, bytes or PIL images, added to
+        the last user message; these may name any local file, the caller's own) on a
+        vision-language model: fetched under `EngineConfig.media`, processed off the event loop
+        (`multimodal.prepare`). A text-only model refuses them (`InvalidRequest` naming the
+        part)."""
         self._preparer.check_chat_length(messages)
+        if images or videos or has_media(messages):
+            if self.info.multimodal is None:
+                self._refuse_media(messages, images, videos)
+            return await prepare_multimodal_chat(
+                self.info.multimodal,
+                self._preparer,
+                self._tokenizing,
+                messages,
+                self.config.media,
+                images=images,
+                videos=videos,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                options=options,
+            )
         return await trio.to_thread.run_sync(
             partial(
                 self.prepare_chat,
@@ -221,6 +259,20 @@ class Engine:
             ),
             limiter=self._tokenizing,
             abandon_on_cancel=True,
+        )
+
+    def _refuse_media(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        images: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
+    ) -> None:
+        if self.info.multimodal is not None:
+            return
+        param = "images" if images else "videos" if videos else first_media_param(messages)
+        raise InvalidRequest(
+            f"{self.model_name} is a text-only model: it cannot take images or video",
+            param=param,
         )
 
     # ---- stage 2: admit and run -------------------------------------------------------------
@@ -266,8 +318,18 @@ class Engine:
                 on_done=lambda: self._runner.abort(request_id),
                 reasoning=_splitter(request.reasoning),
             )
-            self._runner.submit(
-                GenerationJob(
+            job: GenerationJob
+            if isinstance(request, MultimodalRequest):
+                job = MultimodalJob(
+                    request_id,
+                    request.prompt_tokens,
+                    request.params,
+                    request.logits_processors,
+                    vision=request.vision,
+                    cache_key=request.cache_key,
+                )
+            else:
+                job = GenerationJob(
                     request_id,
                     request.prompt_tokens,
                     request.params,
@@ -275,9 +337,8 @@ class Engine:
                     store_points=self._kv_cache.store_points(
                         len(request.prompt_tokens), request.system_prefix
                     ),
-                ),
-                sink,
-            )
+                )
+            self._runner.submit(job, sink)
         except BaseException:
             lease.release()
             raise
@@ -366,9 +427,12 @@ class Engine:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        images: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
         **options: Unpack[SamplingOptions],
     ) -> GenerationStream:
-        """Stream the assistant's reply to `messages` (see `stream_generate`)."""
+        """Stream the assistant's reply to `messages` (see `stream_generate`; media: see
+        `prepare_chat_async`)."""
 
         async def start() -> ActiveRequest:
             request = await self.prepare_chat_async(
@@ -379,6 +443,8 @@ class Engine:
                 stop=stop,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
+                images=images,
+                videos=videos,
                 **options,
             )
             return await self.start_request(request)
@@ -395,6 +461,8 @@ class Engine:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        images: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
         **options: Unpack[SamplingOptions],
     ) -> GenerationOutput:
         """The assistant's whole reply. Raises `GenerationError` if the model failed."""
@@ -406,6 +474,8 @@ class Engine:
             stop=stop,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            images=images,
+            videos=videos,
             **options,
         )
         return await self._run_to_end(request)
@@ -500,6 +570,8 @@ class Engine:
                 "busy_s": counters.busy_seconds,
             },
             "cache": self.get_cache_stats(),
+            "vision_cache": self._runner.vision_cache.statistics(),
+            "multimodal": self.info.multimodal is not None,
             "last_request": None
             if last is None
             else {

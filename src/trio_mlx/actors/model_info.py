@@ -31,6 +31,9 @@ class ModelInfo:
     cache_support: SnapshotSupport | None = None
     exact_prompt_limit: int | None = None
     weights_bytes: int = 0
+    #: a vision-language model's request preparation (`multimodal.loading.VisionProcessing`:
+    #: its processor and media token ids); None for a text model
+    multimodal: Any = None
 
 
 def describe(loaded: LoadedModel, max_kv_size: int | None) -> ModelInfo:
@@ -47,7 +50,10 @@ def describe(loaded: LoadedModel, max_kv_size: int | None) -> ModelInfo:
         config=loaded.config,
         cache_support=cache_support(probe),
         exact_prompt_limit=chunking_exact_limit(probe),
-        weights_bytes=_weights_bytes(loaded.model),
+        weights_bytes=_weights_bytes(
+            loaded.model if loaded.multimodal is None else loaded.multimodal.model
+        ),
+        multimodal=None if loaded.multimodal is None else loaded.multimodal.processing,
     )
 
 

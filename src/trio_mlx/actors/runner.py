@@ -19,8 +19,11 @@ Protocol:
   gone makes that request abort at the next step boundary.
 
 Two routes, chosen once the model is loaded:
-- serialized (`max_num_seqs == 1`, or a model whose cache cannot be batched): a step is one prefill
-  chunk or one decode token of the live sequence (`decode.ActiveSequence`);
+- serialized (`max_num_seqs == 1`, a model whose cache cannot be batched, or a vision-language
+  model: its requests with media carry per-request prompt embeddings and positions that the
+  batched step does not take): a step is one prefill chunk or one decode token of the live
+  sequence (`decode.ActiveSequence`), or the vision encoding of a request with media
+  (`multimodal.job.MultimodalSequence`, whose first step it is);
 - batched (`max_num_seqs > 1`): `batch_loop.serve_batched`, one decode step over every running
   sequence plus a prefill chunk of those waiting to join (continuous batching).
 Prefill chunks are sized by measured time (`scheduling.PrefillPacer`, calibrated by one short
@@ -77,6 +80,8 @@ from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.errors import EngineCrashed
+from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
+from trio_mlx.multimodal.vision import VisionFeatureCache
 from trio_mlx.types import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -197,6 +202,8 @@ class Runner:
         self.snapshot_counters = self._snapshots.counters
         self._replies: set[_Answer] = set()
         self._serving = False
+        #: vision features of recent media (runner thread only; statistics read anywhere)
+        self.vision_cache = VisionFeatureCache()
 
     # ---- Trio side -------------------------------------------------------------------------
 
@@ -372,9 +379,12 @@ class Runner:
         self.kv_bytes_per_token, mergeable = probe_cache(
             loaded.model, self._max_kv_size, self.pacer
         )
-        self.batching = self.max_num_seqs > 1 and mergeable
+        multimodal = loaded.multimodal is not None
+        self.batching = self.max_num_seqs > 1 and mergeable and not multimodal
         if self.max_num_seqs > 1 and not mergeable:
             log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
+        elif self.max_num_seqs > 1 and multimodal:
+            log.info("a vision-language model: serving one sequence at a time")
         assert self._token is not None
         self.info = info  # before any job can arrive: jobs come after `started`
         self._token.run_sync_soon(report_ready, info)
@@ -406,7 +416,7 @@ class Runner:
 
     def _serve_serialized(self, loaded: LoadedModel) -> None:
         """The serialized route: each live sequence steps on its own (`ActiveSequence`)."""
-        live: dict[int, ActiveSequence] = {}
+        live: dict[int, ActiveSequence | MultimodalSequence] = {}
         counters = self.counters
         pacer = self.pacer
         while True:
@@ -468,7 +478,7 @@ class Runner:
             counters.busy_seconds += time.perf_counter() - began
 
     def _take_commands(
-        self, live: dict[int, ActiveSequence], loaded: LoadedModel
+        self, live: dict[int, ActiveSequence | MultimodalSequence], loaded: LoadedModel
     ) -> list[SequenceEvent]:
         """Apply every queued command; return the events they cause (a job that cannot start)."""
         events: list[SequenceEvent] = []
@@ -494,6 +504,10 @@ class Runner:
                 continue
             job = command.job
             try:
+                if isinstance(job, MultimodalJob):
+                    live[job.request_id] = self._multimodal_sequence(job, loaded, vocab_size)
+                    self.counters.started += 1
+                    continue
                 cache, cached_tokens = self._snapshots.restore_for(job, plan.block)
                 live[job.request_id] = ActiveSequence(
                     job,
@@ -517,3 +531,23 @@ class Runner:
                 )
         self.counters.live = len(live)
         return events
+
+    def _multimodal_sequence(
+        self, job: MultimodalJob, loaded: LoadedModel, vocab_size: int
+    ) -> MultimodalSequence:
+        """A request with media on a vision-language model, from the longest cached prefix
+        with the same tokens and the same media (its cache key)."""
+        if loaded.multimodal is None:
+            raise ValueError("this model takes text only")
+        cache, cached_tokens = self._snapshots.restore_for(job.keyed())
+        return MultimodalSequence(
+            job,
+            loaded.multimodal,
+            self.vision_cache,
+            loaded.eos_token_ids,
+            self._prefill_plan,
+            vocab_size=vocab_size,
+            max_kv_size=self._max_kv_size,
+            cache=cache,
+            cached_tokens=cached_tokens,
+        )

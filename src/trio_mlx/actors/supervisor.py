@@ -56,6 +56,8 @@ async def _serve(
     cfg: EngineConfig, loader: ModelLoader, task_status: trio.TaskStatus[Engine]
 ) -> None:
     max_num_seqs = cfg.max_num_seqs or default_max_num_seqs()
+    if cfg.force_mllm and loader is load_model:
+        loader = partial(load_model, force_mllm=True)
     runner = Runner(
         cfg.model,
         prefill_step_size=cfg.prefill_step_size,

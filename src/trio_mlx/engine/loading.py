@@ -30,6 +30,9 @@ class LoadedModel:
     config: dict[str, Any]
     context_length: int
     eos_token_ids: frozenset[int]
+    #: the vision half (`multimodal.loading.VisionLanguageModel`) of a model loaded through
+    #: mlx-vlm; None for a text model. `model` is then the VLM's language model (`TextView`).
+    multimodal: Any = None
 
 
 def _context_length(config: dict[str, Any], tokenizer: Any) -> int:
@@ -56,12 +59,17 @@ def _silence_length_warning(tokenizer: Any) -> None:
         warned["sequence-length-is-longer-than-the-specified-maximum"] = True
 
 
-def load_model(spec: str | Path | None) -> LoadedModel:
-    """Resolve `spec` (see `resolve_model_path`) and load it with mlx-lm.
+def load_model(spec: str | Path | None, *, force_mllm: bool = False) -> LoadedModel:
+    """Resolve `spec` (see `resolve_model_path`) and load it with mlx-lm, or with mlx-vlm when it
+    is a vision-language model (`multimodal.loading.is_vision_model_dir`) or `force_mllm`.
 
     Raises `ModelLoadError` naming the directory and the reason when anything about it is wrong.
     """
     resolved: ResolvedModel = resolve_model_path(spec)
+    from trio_mlx.multimodal.loading import is_vision_model_dir
+
+    if force_mllm or is_vision_model_dir(resolved.path):
+        return _load_vision(resolved)
     import mlx_lm
 
     try:
@@ -88,6 +96,25 @@ def load_model(spec: str | Path | None) -> LoadedModel:
         config=config,
         context_length=_context_length(config, tokenizer),
         eos_token_ids=eos,
+    )
+    log.info("loaded %s from %s (context %d)", loaded.name, loaded.path, loaded.context_length)
+    return loaded
+
+
+def _load_vision(resolved: ResolvedModel) -> LoadedModel:
+    from trio_mlx.multimodal.loading import load_vision_model
+
+    model, tokenizer, config, vision = load_vision_model(resolved)
+    _silence_length_warning(tokenizer)
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=resolved.name,
+        path=resolved.path,
+        config=config,
+        context_length=_context_length(config, tokenizer),
+        eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
+        multimodal=vision,
     )
     log.info("loaded %s from %s (context %d)", loaded.name, loaded.path, loaded.context_length)
     return loaded

@@ -44,34 +44,35 @@ from trio_mlx.http.objects import (
     ChoiceLogprobs,
     Usage,
 )
-from trio_mlx.http.requests import ChatCompletionRequest, ChatMessage
+from trio_mlx.http.requests import ChatCompletionRequest, ChatMessage, ContentPart
 from trio_mlx.http.state import ServerState
 from trio_mlx.types import GenerationOutput, TokenLogprob
 
 TEXT_PARTS = {"text", "input_text", "output_text"}
+#: content parts carrying media: passed on to the engine, which fetches them for a
+#: vision-language model and refuses them (400 naming the part) for a text model
+MEDIA_PARTS = {"image_url", "input_image", "video_url"}
 _DELTA_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: text content, `developer` as `system`.
-    Media parts are refused (this route serves text models)."""
+    A message with media parts keeps its content as a list of parts (text parts as
+    `{"type": "text"}`, media parts as sent) for the engine, which fetches the media for a
+    vision-language model and refuses them, naming the part, for a text model."""
     out = []
     for i, message in enumerate(messages):
         content = message.content
-        if isinstance(content, list):
+        text: str | list[dict[str, Any]] | None
+        if isinstance(content, list) and any(part.type in MEDIA_PARTS for part in content):
+            text = _media_content(content, i)
+        elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 if part.type == "refusal":
                     texts.append(part.refusal or "")
                 elif part.type in TEXT_PARTS:
-                    if part.text is None:
-                        raise APIError(
-                            400,
-                            "a text part needs `text`",
-                            param=f"messages[{i}].content[{j}].text",
-                            code="missing_required_parameter",
-                        )
-                    texts.append(part.text)
+                    texts.append(_part_text(part, i, j))
                 else:
                     raise APIError(
                         400,
@@ -80,7 +81,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                         param=f"messages[{i}].content[{j}].type",
                         code="unsupported_value",
                     )
-            text: str | None = "\n".join(texts)
+            text = "\n".join(texts)
         else:
             text = content
         if text is None and message.role not in ("assistant", "tool"):
@@ -102,6 +103,37 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 item[name] = value
         out.append(item)
     return out
+
+
+def _part_text(part: ContentPart, i: int, j: int) -> str:
+    if part.text is None:
+        raise APIError(
+            400,
+            "a text part needs `text`",
+            param=f"messages[{i}].content[{j}].text",
+            code="missing_required_parameter",
+        )
+    return part.text
+
+
+def _media_content(content: list[ContentPart], i: int) -> list[dict[str, Any]]:
+    """A content list with media, as parts (`multimodal.parts` reads them)."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.type in MEDIA_PARTS:
+            parts.append(part.model_dump(exclude_none=True))
+        elif part.type == "refusal":
+            parts.append({"type": "text", "text": part.refusal or ""})
+        elif part.type in TEXT_PARTS:
+            parts.append({"type": "text", "text": _part_text(part, i, j)})
+        else:
+            raise APIError(
+                400,
+                f"content parts of type {part.type!r} are not supported",
+                param=f"messages[{i}].content[{j}].type",
+                code="unsupported_value",
+            )
+    return parts
 
 
 async def chat_completions(

@@ -180,7 +180,10 @@ class ContentPart(_Body):
     ]
     text: str | None = None
     refusal: str | None = None
+    # `image_url` (chat: an object with `url`; Responses' `input_image`: the URL itself) and
+    # `video_url`: media for a vision-language model (a text model refuses them, naming them)
     image_url: ImageURL | str | None = None
+    video_url: ImageURL | str | None = None
 
 
 class ChatMessage(_Body):

@@ -51,13 +51,19 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             messages.append(ChatMessage(role=item.role, content=item.content))
     try:
         return template_messages(messages)
-    except APIError as exc:  # name the field as the client sent it
-        if exc.param and exc.param.startswith("messages") and body.instructions:
-            index = int(exc.param[len("messages[") :].split("]")[0]) - 1
-            exc.param = f"input[{index}]" + exc.param.split("]", 1)[1]
-        elif exc.param:
-            exc.param = "input" + exc.param[len("messages") :]
+    except APIError as exc:
+        _name_input_field(exc, body)
         raise
+
+
+def _name_input_field(exc: APIError, body: ResponsesRequest) -> None:
+    """Name the field as the client sent it: `messages[i]` is `input[i]` (`input[i - 1]` after
+    `instructions`)."""
+    if exc.param and exc.param.startswith("messages[") and body.instructions:
+        index = int(exc.param[len("messages[") :].split("]")[0]) - 1
+        exc.param = f"input[{index}]" + exc.param.split("]", 1)[1]
+    elif exc.param and exc.param.startswith("messages"):
+        exc.param = "input" + exc.param[len("messages") :]
 
 
 async def start_response(
@@ -69,9 +75,15 @@ async def start_response(
     record.model = model
     messages = input_messages(body)
     options = body.sampling_options()
-    prepared = await prepare_async(
-        lambda: engine.prepare_chat_async(messages, max_tokens=body.max_output_tokens, **options)
-    )
+    try:
+        prepared = await prepare_async(
+            lambda: engine.prepare_chat_async(
+                messages, max_tokens=body.max_output_tokens, **options
+            )
+        )
+    except APIError as exc:  # a media part the engine refused
+        _name_input_field(exc, body)
+        raise
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)
     return ResponseRun(engine, model, body, active, record)

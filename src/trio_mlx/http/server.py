@@ -44,6 +44,7 @@ from trio_mlx.http.preflight import (
     first_os_error,
 )
 from trio_mlx.http.state import ServerSettings, ServerState
+from trio_mlx.multimodal.media import MediaPolicy
 
 log = logging.getLogger("trio_mlx.server")
 
@@ -194,6 +195,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_num_seqs": getattr(args, "max_num_seqs", None),
         "prefill_chunk_seconds": getattr(args, "prefill_chunk_seconds", 0.25),
     }
+    engine_options["force_mllm"] = bool(getattr(args, "mllm", False))
+    engine_options["media"] = media_policy_from_args(args)
     kv_mb = getattr(args, "kv_memory_mb", None)
     if kv_mb is not None:
         engine_options["kv_memory_bytes"] = int(kv_mb * 1024 * 1024)
@@ -208,6 +211,18 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         engine_options=engine_options,
+    )
+
+
+def media_policy_from_args(args: argparse.Namespace) -> MediaPolicy:
+    """The media flags of `trio-mlx serve` as the engine's `MediaPolicy`."""
+    local = getattr(args, "allowed_local_media_path", None)
+    return MediaPolicy(
+        allowed_local_dir=Path(local).expanduser() if local else None,
+        allow_private_urls=bool(getattr(args, "allow_private_media_urls", False)),
+        max_bytes=int(getattr(args, "max_media_mb", 20.0) * 1024 * 1024),
+        video_fps=getattr(args, "video_fps", 2.0),
+        video_max_frames=getattr(args, "video_max_frames", 16),
     )
 
 

@@ -1,0 +1,282 @@
+"""Stage one of a request with images or video: from messages to a `MultimodalRequest`.
+
+1. `split_media` finds the media parts (`parts`), refusing too many of them or a video for a model
+   without a video processor, each refusal naming its part;
+2. the media are fetched on the Trio side (`media.fetch_media`: data URLs, http(s) under the SSRF
+   guard and limits, allowed local files), concurrently, under the caller's cancel scope;
+3. on a worker thread: decoding (Pillow; OpenCV for video), the processor's chat template with
+   its image placeholders, and the processor itself (resizing, patches, the image tokens expanded
+   to as many as the image has features), then the same validation and context check as a text
+   request (`RequestPreparer`).
+
+Nothing here touches MLX or the runner: the processor's outputs travel as numpy arrays
+(`VisionInputs`) and become MLX arrays on the runner thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from trio_mlx.errors import InvalidRequest
+from trio_mlx.multimodal.loading import VisionProcessing
+from trio_mlx.multimodal.media import (
+    MediaPolicy,
+    decode_image,
+    decode_video,
+    fetch_media,
+    media_error,
+)
+from trio_mlx.multimodal.parts import MediaRef, add_media, split_media
+from trio_mlx.preparation import PreparedRequest, RequestPreparer, SamplingOptions
+
+#: Cache-key ids for media positions start here, far above any vocabulary.
+MEDIA_KEY_BASE = 1 << 40
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """What the processor made of a request's media, as numpy arrays (`arrays`: pixel values,
+    grids, whatever the model's `get_input_embeddings` takes besides the ids), and
+    `media_key`, a hash of all of it (the vision cache's key). `images` / `videos`: how many."""
+
+    arrays: Mapping[str, Any] = field(compare=False)
+    media_key: str
+    images: int
+    videos: int
+
+
+@dataclass(frozen=True)
+class MultimodalRequest(PreparedRequest):
+    """A `PreparedRequest` whose prompt holds media. `prompt_tokens` are the processor's ids
+    (each image placeholder expanded to its feature count: usage counts them). `cache_key`:
+    the prompt with every media position replaced by an id derived from a hash of that medium
+    (>= `MEDIA_KEY_BASE`), so the prefix cache matches a prompt only with the same images."""
+
+    vision: VisionInputs | None = None
+    cache_key: tuple[int, ...] = ()
+
+
+async def load_media(refs: Sequence[MediaRef], policy: MediaPolicy) -> list[Any]:
+    """Every medium's bytes (or a PIL image the engine API was given), fetched concurrently."""
+    results: list[Any] = [None] * len(refs)
+
+    async def one(index: int, ref: MediaRef) -> None:
+        source = ref.source
+        if isinstance(source, bytes | bytearray):
+            results[index] = bytes(source)
+        elif isinstance(source, str):
+            ref_policy = policy.as_trusted() if ref.trusted else policy
+            results[index] = await fetch_media(source, ref.param, ref_policy)
+        elif ref.trusted and hasattr(source, "convert"):  # a PIL image from the engine API
+            results[index] = source
+        else:
+            raise InvalidRequest("a media part needs a URL string", param=ref.param)
+
+    if len(refs) == 1:
+        await one(0, refs[0])
+        return results
+    async with trio.open_nursery() as nursery:
+        for index, ref in enumerate(refs):
+            nursery.start_soon(one, index, ref)
+    return results
+
+
+def check_media(refs: Sequence[MediaRef], vlm: VisionProcessing, policy: MediaPolicy) -> None:
+    """Refusals that need no I/O: too many media, video on a model without video."""
+    if len(refs) > policy.max_images:
+        raise media_error(
+            refs[policy.max_images].param,
+            f"at most {policy.max_images} images and videos in one request",
+            code="too_many_media",
+        )
+    for ref in refs:
+        if ref.kind == "video" and not vlm.supports_video:
+            raise media_error(ref.param, "this model does not take video")
+        if ref.kind == "image" and vlm.image_token_id is None:
+            raise media_error(ref.param, "this model does not take images")
+
+
+def _numpy(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # an MLX array from the processor
+        return np.array(value)
+    return value
+
+
+def _hash_arrays(arrays: Mapping[str, Any]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        value = arrays[name]
+        digest.update(name.encode())
+        if isinstance(value, np.ndarray):
+            digest.update(str((value.shape, value.dtype.str)).encode())
+            digest.update(np.ascontiguousarray(value).tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+def _media_cache_key(
+    tokens: Sequence[int], media_ids: frozenset[int], arrays: Mapping[str, Any]
+) -> tuple[int, ...]:
+    """`tokens` with each run of media positions (one image or video) replaced by ids from a
+    hash of that medium's pixels (Qwen-style grids split the pixels per image; otherwise the
+    whole request's media stand for every run)."""
+    per_medium = _per_medium_hashes(arrays)
+    key: list[int] = []
+    run = -1
+    previous_media = False
+    offset = 0
+    for token in tokens:
+        if token in media_ids:
+            if not previous_media:
+                run += 1
+                offset = 0
+            digest = per_medium[run] if run < len(per_medium) else per_medium[-1]
+            key.append(MEDIA_KEY_BASE + (digest << 16) + offset % (1 << 16))
+            offset += 1
+            previous_media = True
+        else:
+            key.append(int(token))
+            previous_media = False
+    return tuple(key)
+
+
+def _per_medium_hashes(arrays: Mapping[str, Any]) -> list[int]:
+    hashes: list[int] = []
+    for pixels_name, grid_name in (
+        ("pixel_values", "image_grid_thw"),
+        ("pixel_values_videos", "video_grid_thw"),
+    ):
+        pixels, grid = arrays.get(pixels_name), arrays.get(grid_name)
+        if isinstance(pixels, np.ndarray) and isinstance(grid, np.ndarray) and grid.ndim == 2:
+            start = 0
+            for row in grid:
+                rows = int(np.prod(row))
+                part = {"pixels": pixels[start : start + rows], "grid": row}
+                hashes.append(int(_hash_arrays(part)[:12], 16))
+                start += rows
+    if not hashes:
+        hashes.append(int(_hash_arrays(arrays)[:12], 16))
+    return hashes
+
+
+def render_and_process(
+    vlm: VisionProcessing,
+    preparer: RequestPreparer,
+    templated: list[dict[str, Any]],
+    refs: Sequence[MediaRef],
+    loaded: Sequence[Any],
+    policy: MediaPolicy,
+    *,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    stop: str | Sequence[str] | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    options: SamplingOptions,
+) -> MultimodalRequest:
+    """On a worker thread: decode, template, process, validate (see the module)."""
+    images: list[Any] = []
+    videos: list[list[Any]] = []
+    for ref, data in zip(refs, loaded, strict=True):
+        if ref.kind == "image":
+            images.append(
+                data if not isinstance(data, bytes) else decode_image(data, ref.param, policy)
+            )
+        else:
+            if not isinstance(data, bytes):
+                raise InvalidRequest("a video must be given as a URL or a path", param=ref.param)
+            videos.append(decode_video(data, ref.param, policy))
+    processor = vlm.processor
+    kwargs = dict(chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = list(tools)
+    try:
+        prompt = processor.apply_chat_template(
+            templated, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+    except Exception as exc:
+        raise InvalidRequest(
+            f"the model's chat template cannot render these messages: {exc}", param="messages"
+        ) from exc
+    with preparer._lock:
+        try:
+            out = processor(
+                text=[prompt], images=images or None, videos=videos or None, padding=False
+            )
+        except Exception as exc:
+            param = refs[0].param if refs else "messages"
+            raise media_error(param, f"the model's processor refused the media: {exc}") from exc
+        arrays = {k: _numpy(v) for k, v in dict(out).items()}
+        ids = np.asarray(arrays.pop("input_ids")).reshape(-1).tolist()
+        arrays.pop("attention_mask", None)
+        request = preparer._prepare(ids, "messages", max_tokens, temperature, top_p, stop, options)
+    media_ids = frozenset(t for t in (vlm.image_token_id, vlm.video_token_id) if t is not None)
+    vision = VisionInputs(
+        arrays=arrays,
+        media_key=_hash_arrays(arrays),
+        images=len(images),
+        videos=len(videos),
+    )
+    return MultimodalRequest(
+        prompt_tokens=request.prompt_tokens,
+        params=request.params,
+        logits_processors=request.logits_processors,
+        reasoning=request.reasoning,
+        system_prefix=None,
+        vision=vision,
+        cache_key=_media_cache_key(request.prompt_tokens, media_ids, arrays),
+    )
+
+
+async def prepare_multimodal_chat(
+    vlm: VisionProcessing,
+    preparer: RequestPreparer,
+    limiter: trio.CapacityLimiter,
+    messages: Sequence[Mapping[str, Any]],
+    policy: MediaPolicy,
+    *,
+    images: Sequence[Any] | None = None,
+    videos: Sequence[Any] | None = None,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    stop: str | Sequence[str] | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    options: SamplingOptions,
+) -> MultimodalRequest:
+    """The whole of stage one for a chat with media (see the module). Cancelling the caller
+    stops a fetch at once; decoding and processing on the worker are abandoned (as the text
+    path's tokenization)."""
+    templated, refs = split_media(add_media(messages, images, videos))
+    check_media(refs, vlm, policy)
+    loaded = await load_media(refs, policy)
+
+    def work() -> MultimodalRequest:
+        return render_and_process(
+            vlm,
+            preparer,
+            templated,
+            refs,
+            loaded,
+            policy,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            options=options,
+        )
+
+    return await trio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)

@@ -1,0 +1,154 @@
+"""The vision half of a multimodal prefill: pixel values -> input embeddings. Runner thread only.
+
+`VisionFeatureCache` keeps the vision tower's output for the media of recent requests, keyed by a
+hash of the processed pixels (`VisionInputs.media_key`), LRU, bounded in entries and bytes: the
+second turn of a conversation about an image, a retry, or the same image sent again does not
+encode it again. Features are cached where the model can take them back
+(`get_input_embeddings(..., cached_image_features=)`, as mlx-vlm's own cache does) and mlx-vlm
+gives a way to compute them alone (`encode_images`, `encode_image`, or a Qwen-style
+`vision_tower(pixels, grid)`); other models encode every time.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from trio_mlx.multimodal.loading import VisionLanguageModel
+from trio_mlx.multimodal.prepare import VisionInputs
+
+
+@dataclass
+class VisionCacheCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    encoded: int = 0  # vision tower runs (cached or not)
+
+
+class VisionFeatureCache:
+    """LRU of vision features by media hash, at most `max_entries` and `max_bytes`."""
+
+    def __init__(self, max_entries: int = 32, max_bytes: int = 512 * 1024 * 1024) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, Any] = OrderedDict()
+        self._bytes = 0
+        self.counters = VisionCacheCounters()
+
+    def get(self, key: str) -> Any:
+        features = self._entries.get(key)
+        if features is None:
+            self.counters.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.counters.hits += 1
+        return features
+
+    def put(self, key: str, features: Any) -> None:
+        size = _nbytes(features)
+        if self.max_entries < 1 or size > self.max_bytes:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= _nbytes(old)
+        self._entries[key] = features
+        self._bytes += size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self._bytes -= _nbytes(dropped)
+            self.counters.evictions += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+    def statistics(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "entries": len(self._entries),
+            "bytes": self._bytes,
+            "hits": c.hits,
+            "misses": c.misses,
+            "evictions": c.evictions,
+            "encoded": c.encoded,
+        }
+
+
+def _nbytes(features: Any) -> int:
+    if isinstance(features, list | tuple):
+        return sum(_nbytes(f) for f in features)
+    return int(getattr(features, "nbytes", 0))
+
+
+@dataclass(frozen=True)
+class PromptEmbeddings:
+    """A multimodal prompt ready for the language model: the merged input embeddings
+    `(1, L, hidden)`, the position ids the model computed for the whole prompt (mrope models:
+    `(3, 1, L)`; else None) and the rope delta that places generated tokens after them."""
+
+    embeds: Any
+    position_ids: Any
+    rope_deltas: Any
+
+
+def _takes_cached_features(model: Any) -> bool:
+    try:
+        source = inspect.getsource(type(model).get_input_embeddings)
+    except (OSError, TypeError):
+        return False
+    return "cached_image_features" in source
+
+
+def _compute_features(model: Any, pixels: Any, extras: dict[str, Any]) -> Any:
+    if hasattr(model, "encode_images"):
+        return model.encode_images(pixels, **extras)
+    if hasattr(model, "encode_image"):
+        return model.encode_image(pixels)
+    tower = getattr(model, "vision_tower", None)
+    grid = extras.get("image_grid_thw")
+    if grid is None:
+        grid = extras.get("video_grid_thw")
+    if tower is not None and grid is not None:
+        dtype = tower.patch_embed.proj.weight.dtype
+        return tower(pixels.astype(dtype), grid, output_hidden_states=False)
+    return None
+
+
+def embed_prompt(
+    vlm: VisionLanguageModel,
+    prompt_tokens: tuple[int, ...],
+    vision: VisionInputs,
+    cache: VisionFeatureCache,
+) -> PromptEmbeddings:
+    """Run (or reuse) the vision tower and merge its features into the prompt's embeddings."""
+    model = vlm.model
+    extras = {k: mx.array(v) for k, v in vision.arrays.items() if v is not None}
+    pixels = extras.pop("pixel_values", None)
+    if pixels is None:
+        pixels = extras.pop("pixel_values_videos", None)
+        if pixels is not None:
+            extras["pixel_values_videos"] = pixels
+    input_ids = mx.array([list(prompt_tokens)], dtype=mx.int32)
+    if pixels is not None and _takes_cached_features(model):
+        features = cache.get(vision.media_key)
+        if features is None:
+            features = _compute_features(model, pixels, extras)
+            if features is not None:
+                mx.eval(features)
+                cache.counters.encoded += 1
+                cache.put(vision.media_key, features)
+        if features is not None:
+            extras["cached_image_features"] = features
+    else:
+        cache.counters.encoded += 1
+    result = model.get_input_embeddings(input_ids, pixels, **extras)
+    embeds = result.inputs_embeds
+    position_ids = getattr(result, "position_ids", None)
+    rope_deltas = getattr(result, "rope_deltas", None)
+    mx.eval([a for a in (embeds, position_ids, rope_deltas) if a is not None])
+    return PromptEmbeddings(embeds, position_ids, rope_deltas)

@@ -1,0 +1,193 @@
+"""A tiny randomly initialised Qwen2-VL, built offline: the one recipe tests, benchmarks and the
+README use for a vision-language model.
+
+- weights: mlx-vlm's own `qwen2_vl.Model`, scaled down (text hidden 64, 2 layers, 4 heads / 2 KV
+  heads, mrope sections [2, 3, 3]; vision 2 blocks, embed 32, patch 14, merge 2), saved in
+  mlx-vlm's sanitized layout. The residual output projections are scaled up so that an image
+  visibly changes the greedy output (plain random init gives the same answer whatever the image).
+- tokenizer: SmolLM2's byte-level BPE (rebuilt from the bundled GGUF, as `tiny_model.py` does)
+  plus Qwen2-VL's `<|vision_start|>`, `<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>` (ids
+  49152-49155), Qwen2-VL's chat template, EOS `<|im_end|>`.
+- image processor: `preprocessor_config.json` for mlx-vlm's numpy Qwen image processor, mean/std
+  0.5, small `min_pixels`/`max_pixels` so that a 56x56 image is 4 image tokens.
+
+`python tests/tiny_vlm.py OUT_DIR` writes one (for a benchmark or to try the README's examples).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from trio_mlx.engine.default_model import default_gguf_path
+from trio_mlx.engine.gguf_tokenizer import write_tokenizer_files
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 49152, 49153, 49154, 49155
+
+#: Qwen2-VL's chat template (the structure of the published one: a default system prompt, image
+#: and video placeholders inside the user turn, `<|im_start|>assistant` as the generation prompt).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "qwen2_vl",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 49156,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    "sliding_window": 2048,
+    "use_sliding_window": False,
+}
+
+VISION_CONFIG: dict[str, Any] = {
+    "model_type": "qwen2_vl",
+    "depth": 2,
+    "embed_dim": 32,
+    "hidden_size": 64,  # the merger's output: the text model's hidden size
+    "num_heads": 2,
+    "mlp_ratio": 2,  # an int: transformers' strict Qwen2VLConfig refuses 2.0
+    "in_channels": 3,
+    "in_chans": 3,
+    "patch_size": 14,
+    "spatial_patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+#: pixels of the smallest and largest image after resizing (multiples of (14*2)^2 = 784)
+MIN_PIXELS = 784
+MAX_PIXELS = 784 * 64
+
+
+def tiny_vlm_config(
+    text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """config.json: the text settings at the root (mlx-vlm reads them there) and in
+    `text_config` (transformers reads them there). `text` / `vision` override the tiny shape
+    (the benchmarks build real shapes this way)."""
+    text_config = {**TEXT_CONFIG, **(text or {})}
+    return {
+        **text_config,
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "text_config": dict(text_config),
+        "vision_config": {**VISION_CONFIG, **(vision or {})},
+        "image_token_id": IMAGE_TOKEN_ID,
+        "video_token_id": VIDEO_TOKEN_ID,
+        "vision_start_token_id": VISION_START_ID,
+        "vision_end_token_id": VISION_END_ID,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def _write_tokenizer(out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    _weights, metadata = mx.load(str(default_gguf_path()), return_metadata=True)
+    write_tokenizer_files(metadata, out_dir, source="SmolLM2 GGUF")
+    tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    assert ids == [VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID], ids
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.save_pretrained(str(out_dir))
+    (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+
+
+def _write_image_processor(out_dir: Path, max_pixels: int = MAX_PIXELS) -> None:
+    settings = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "min_pixels": MIN_PIXELS,
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(settings, indent=2))
+
+
+def build_tiny_vlm(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    model_type: str = "qwen2_vl",
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    max_pixels: int = MAX_PIXELS,
+    dtype: Any = None,
+) -> Path:
+    """Write a tiny Qwen2-VL directory (config, random weights, tokenizer, image processor).
+    `model_type` ("qwen2_vl", "qwen2_5_vl"), `text`, `vision`, `max_pixels` and `dtype` build
+    other shapes with the same tokenizer (benchmarks: `bench/multimodal.py`)."""
+    import importlib
+
+    from mlx_vlm.utils import update_module_configs
+
+    arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(out_dir)
+    _write_image_processor(out_dir, max_pixels)
+    text = {**(text or {}), "model_type": model_type}
+    vision = {**(vision or {}), "model_type": model_type}
+    config = tiny_vlm_config(text, vision)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    mx.random.seed(seed)
+    settings = json.loads(json.dumps(config))
+    model_config = update_module_configs(
+        arch.ModelConfig.from_dict(settings), arch, settings, ["text", "vision"]
+    )
+    model = arch.Model(model_config)
+    params = {}
+    for name, value in tree_flatten(model.parameters()):
+        if value.ndim >= 2:
+            value = value * 4.0
+        if name.endswith(
+            ("o_proj.weight", "down_proj.weight", "mlp.fc2.weight", "attn.proj.weight")
+        ):
+            value = value * 3.0
+        params[name] = value if dtype is None else value.astype(dtype)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), params)
+    return out_dir
+
+
+if __name__ == "__main__":
+    print(build_tiny_vlm(Path(sys.argv[1])))
