@@ -446,6 +446,51 @@ def test_markdown_renders_paragraphs_emphasis_code_lists_and_links(chat: ChatPag
     ]
 
 
+def test_markdown_delimiters_left_open_stay_text_and_later_ones_still_work(chat: ChatPage) -> None:
+    chat.wait_for_model()
+    out = render(chat.page, "2 * 3 and `x and **y and [z\n\na *b* `c` **d** [e](https://e.org)")
+    assert out["html"] == (
+        "<p>2 * 3 and `x and **y and [z</p>"
+        '<p>a <em>b</em> <code>c</code> <strong>d</strong> <a href="https://e.org" '
+        'target="_blank" rel="noopener noreferrer">e</a></p>'
+    )
+    # A `*` that opens nothing does not stop a later one from opening emphasis.
+    assert render(chat.page, "2 * 3 is *six*, a_b is _c_")["html"] == (
+        "<p>2 * 3 is <em>six</em>, a_b is <em>c</em></p>"
+    )
+
+
+def test_markdown_renders_any_text_without_failing(chat: ChatPage) -> None:
+    # Pseudo-random strings of Markdown's delimiters (a fixed seed), each rendered in the page:
+    # an answer is re-rendered as it grows, so every prefix of any text must render.
+    chat.wait_for_model()
+    failures = chat.page.evaluate(
+        r"""async () => {
+          const { renderMarkdown } = await import('/page/markdown.js');
+          let seed = 7;
+          const next = () => (seed = (seed * 1103515245 + 12345) % 2147483648) / 2147483648;
+          const pieces = ['*', '**', '_', '__', '~~', '`', '```', '~~~', '\n', '\n\n', '  ',
+            '- ', '1. ', '2) ', '> ', '# ', '---', '[', ']', '(', ')', '<', '>', '\\', 'a',
+            'word', ' ', '\t', 'https://a.b/c', '<script>', '"', "'"];
+          const failures = [];
+          for (let n = 0; n < 2000 && failures.length < 5; n++) {
+            let text = '';
+            const length = Math.floor(next() * 40);
+            for (let i = 0; i < length; i++) text += pieces[Math.floor(next() * pieces.length)];
+            try {
+              const holder = document.createElement('div');
+              holder.append(renderMarkdown(text));
+              if (holder.querySelector('script')) failures.push(['markup', text]);
+            } catch (error) {
+              failures.push([String(error), text]);
+            }
+          }
+          return failures;
+        }"""
+    )
+    assert failures == []
+
+
 def test_reasoning_is_shown_collapsed_above_the_answer(chat: ChatPage) -> None:
     # The tiny model has no reasoning parser, so the stream is the page's input here: a canned
     # SSE body in the server's chunk format, served to the page in place of the server's.

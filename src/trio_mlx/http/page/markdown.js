@@ -16,7 +16,14 @@ const RULE = /^ {0,3}([-*_])(?:[ \t]*\1){2,}[ \t]*$/;
 const QUOTE = /^ {0,3}> ?/;
 const ITEM = /^( {0,12})([-*+]|\d{1,9}[.)])([ \t]+|$)(.*)$/;
 const SAFE_URL = /^(https?:\/\/|mailto:)/i;
-const BARE_URL = /^https?:\/\/[^\s<>"'`]+/i;
+// Sticky (matched at `lastIndex`, see matchAt) so that no rest of the text is copied per try.
+const BARE_URL = /https?:\/\/[^\s<>"'`]+/iy;
+const AUTOLINK = /<((?:https?:\/\/|mailto:)[^\s<>]+)>/iy;
+const BACKTICKS = /`+/y;
+const LINK_TARGET =
+  /\(\s*<?([^\s<>()]*(?:\([^\s()]*\)[^\s<>()]*)*)>?(?:\s+(?:"[^"]*"|'[^']*'))?\s*\)/y;
+// The longest link label looked for (so that unclosed `[`s cost little).
+const LINK_LABEL_LIMIT = 1000;
 const PUNCTUATION = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~";
 
 /** The Markdown `text` rendered as a DocumentFragment of `doc`. */
@@ -192,6 +199,10 @@ export function renderInline(text, parent, doc = document) {
       plain = "";
     }
   };
+  // The first position from which a closer was looked for and not found, by delimiter: a search
+  // from a later position looks at less of the same text, so it fails too. This keeps a long
+  // answer with many unmatched `*` or backticks linear.
+  const misses = new Map();
   let i = 0;
   while (i < text.length) {
     const c = text[i];
@@ -207,8 +218,8 @@ export function renderInline(text, parent, doc = document) {
       continue;
     }
     if (c === "`") {
-      const run = /^`+/.exec(text.slice(i))[0];
-      const end = findRun(text, "`", run.length, i + run.length);
+      const run = matchAt(BACKTICKS, text, i)[0];
+      const end = searchOnce(misses, run, i, () => findRun(text, "`", run.length, i + run.length));
       if (end >= 0) {
         let inner = text.slice(i + run.length, end).replace(/\n/g, " ");
         if (inner.length > 2 && inner.startsWith(" ") && inner.endsWith(" ")) inner = inner.slice(1, -1);
@@ -239,7 +250,7 @@ export function renderInline(text, parent, doc = document) {
       }
     }
     if (c === "<") {
-      const auto = /^<((?:https?:\/\/|mailto:)[^\s<>]+)>/i.exec(text.slice(i));
+      const auto = matchAt(AUTOLINK, text, i);
       if (auto) {
         flush();
         const a = safeLink(auto[1], doc);
@@ -250,7 +261,7 @@ export function renderInline(text, parent, doc = document) {
       }
     }
     if ((c === "h" || c === "H") && (i === 0 || /[\s(]/.test(text[i - 1]))) {
-      const bare = BARE_URL.exec(text.slice(i));
+      const bare = matchAt(BARE_URL, text, i);
       if (bare) {
         const url = bare[0].replace(/[.,:;!?)\]]+$/, "");
         flush();
@@ -262,7 +273,7 @@ export function renderInline(text, parent, doc = document) {
       }
     }
     if (c === "*" || c === "_" || c === "~") {
-      const span = parseEmphasis(text, i);
+      const span = parseEmphasis(text, i, misses);
       if (span) {
         flush();
         const element = doc.createElement(span.tag);
@@ -276,6 +287,21 @@ export function renderInline(text, parent, doc = document) {
     i += 1;
   }
   flush();
+}
+
+// `search()` unless a search for `delimiter` from an earlier position already failed; -1 and
+// null are failures, remembered at `at`.
+function searchOnce(misses, delimiter, at, search) {
+  if (misses.has(delimiter) && misses.get(delimiter) <= at) return delimiter[0] === "`" ? -1 : null;
+  const found = search();
+  if (found === -1 || found === null) misses.set(delimiter, at);
+  return found;
+}
+
+// The match of the sticky regular expression `re` at `at` in `text`, or null.
+function matchAt(re, text, at) {
+  re.lastIndex = at;
+  return re.exec(text);
 }
 
 // The index of the next run of exactly `length` `char`s at or after `from`, or -1.
@@ -298,7 +324,9 @@ function findRun(text, char, length, from) {
 function parseLink(text, start) {
   let depth = 0;
   let i = start;
-  for (; i < text.length; i += 1) {
+  if (text.indexOf("]", start) < 0) return null;
+  const limit = Math.min(text.length, start + LINK_LABEL_LIMIT);
+  for (; i < limit; i += 1) {
     if (text[i] === "\\") {
       i += 1;
     } else if (text[i] === "[") {
@@ -308,10 +336,8 @@ function parseLink(text, start) {
       if (depth === 0) break;
     }
   }
-  if (i >= text.length || text[i + 1] !== "(") return null;
-  const target = /^\(\s*<?([^\s<>()]*(?:\([^\s()]*\)[^\s<>()]*)*)>?(?:\s+(?:"[^"]*"|'[^']*'))?\s*\)/.exec(
-    text.slice(i + 1),
-  );
+  if (i >= limit || text[i + 1] !== "(") return null;
+  const target = matchAt(LINK_TARGET, text, i + 1);
   if (!target) return null;
   return { label: text.slice(start + 1, i), url: target[1], end: i + 1 + target[0].length };
 }
@@ -327,7 +353,7 @@ function safeLink(url, doc) {
 }
 
 // Emphasis starting at `start`: {tag, inner, end} or null. `_` only at word boundaries.
-function parseEmphasis(text, start) {
+function parseEmphasis(text, start, misses) {
   const c = text[start];
   const double = text[start + 1] === c;
   if (c === "~" && !double) return null;
@@ -335,6 +361,12 @@ function parseEmphasis(text, start) {
   const after = text[start + marker.length];
   if (after === undefined || /\s/.test(after) || after === c) return null;
   if (c === "_" && start > 0 && /\w/.test(text[start - 1])) return null;
+  return searchOnce(misses, marker, start, () => findCloser(text, start, marker));
+}
+
+function findCloser(text, start, marker) {
+  const c = marker[0];
+  const double = marker.length === 2;
   let i = start + marker.length + 1;
   while (i <= text.length - marker.length) {
     if (text[i] === "\\") {
@@ -343,7 +375,7 @@ function parseEmphasis(text, start) {
     }
     if (text[i] === "`") {
       // Code spans bind tighter than emphasis: skip over one.
-      const run = /^`+/.exec(text.slice(i))[0];
+      const run = matchAt(BACKTICKS, text, i)[0];
       const end = findRun(text, "`", run.length, i + run.length);
       if (end >= 0) {
         i = end + run.length;
