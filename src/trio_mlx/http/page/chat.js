@@ -48,8 +48,12 @@ const api = new Api(askKey);
 
 // --- the API key dialog ---
 
+let pendingKey = null;
+
+/** The key the user types, or null; requests refused at the same time share one question. */
 function askKey(message) {
-  return new Promise((resolve) => {
+  if (pendingKey) return pendingKey;
+  pendingKey = new Promise((resolve) => {
     ui.keyMessage.textContent = message;
     ui.keyInput.value = "";
     const closed = () => {
@@ -61,7 +65,10 @@ function askKey(message) {
     ui.keyDialog.addEventListener("close", closed);
     ui.keyDialog.showModal();
     ui.keyInput.focus();
+  }).finally(() => {
+    pendingKey = null;
   });
+  return pendingKey;
 }
 
 // --- settings ---
