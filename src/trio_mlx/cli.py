@@ -293,6 +293,14 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds in-flight streams may finish after SIGINT/SIGTERM before they are aborted",
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TRIO_MLX_API_KEY") or None,
+        metavar="KEY",
+        help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
+        "/health and the chat page; env TRIO_MLX_API_KEY, which keeps it out of the process list "
+        "(default: none, every route is open)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

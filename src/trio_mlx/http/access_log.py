@@ -73,6 +73,8 @@ class AccessLog:
                 status.append(int(message["status"]))
             elif kind == "websocket.accept":
                 status.append(101)
+            elif kind == "websocket.http.response.start":  # refused before the handshake
+                status.append(int(message["status"]))
             elif kind == "websocket.close" and not status:
                 status.append(403)
             await send(message)

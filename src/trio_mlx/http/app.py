@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -23,6 +22,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from trio_mlx.http.access_log import AccessLog, record_of
+from trio_mlx.http.api_key import RequireAPIKey
 from trio_mlx.http.chat import chat_completions
 from trio_mlx.http.completions import completions
 from trio_mlx.http.errors import (
@@ -40,6 +40,7 @@ from trio_mlx.http.metrics import Metrics
 from trio_mlx.http.objects import Health, ModelCard, ModelList
 from trio_mlx.http.openapi import openapi_document
 from trio_mlx.http.ownership import RequestOwner
+from trio_mlx.http.page import add_page_routes
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from trio_mlx.http.responses import start_response
 from trio_mlx.http.state import ServerState
@@ -59,8 +60,14 @@ def create_app(state: ServerState) -> QuartTrio:
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
     metrics = Metrics()
+    routes: Any = RequestOwner(app.asgi_app)
+    if state.settings.api_key:
+        # Inside the access log, so that a refused request is logged with its 401.
+        routes = RequireAPIKey(
+            routes, state.settings.api_key, max_body_bytes=state.settings.max_body_bytes
+        )
     app.asgi_app = CountInFlight(  # type: ignore[method-assign,assignment]
-        FinishResponses(AccessLog(RequestOwner(app.asgi_app), metrics.observe)), state
+        FinishResponses(AccessLog(routes, metrics.observe)), state
     )
     _routes(app, state, metrics)
     _error_handlers(app)
@@ -242,17 +249,7 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
     async def openapi_route() -> Response:
         return _json(openapi_document())
 
-    @app.get("/")
-    async def root_route() -> Response:
-        return _json(
-            {
-                "name": "trio-mlx",
-                "status": state.phase,
-                "models": state.model_names,
-                "time": int(time.time()),
-                "docs": "/openapi.json",
-            }
-        )
+    add_page_routes(app, state)
 
 
 def _parse_json(raw: str | bytes, what: str) -> Any:

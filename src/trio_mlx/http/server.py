@@ -210,6 +210,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         served_model_names=tuple(args.served_model_name or ()),
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        api_key=getattr(args, "api_key", None) or None,
         engine_options=engine_options,
     )
 

@@ -28,6 +28,8 @@ class ServerSettings:
     served_model_names: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout: float = 10.0
+    #: When set, every route but /health and the chat page needs this key (`http/api_key.py`).
+    api_key: str | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)
 
 
