@@ -23,7 +23,7 @@ from trio_mlx.http.anthropic.requests import (
     LATER_BLOCK_TYPES,
     THINKING_BLOCK_TYPES,
     CountTokensRequest,
-    InputMessage,
+    MessageParam,
 )
 from trio_mlx.http.errors import APIError
 
@@ -62,7 +62,7 @@ def conversation(body: CountTokensRequest) -> Conversation:
     return Conversation(turns, prefill, kwargs or None)
 
 
-def _message_text(i: int, message: InputMessage) -> str:
+def _message_text(i: int, message: MessageParam) -> str:
     content = message.content
     if isinstance(content, str):
         return content

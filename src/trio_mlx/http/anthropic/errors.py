@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from trio_mlx.http.anthropic.objects import ErrorObject, ErrorResponse, ErrorType
+from trio_mlx.http.anthropic.objects import AnthropicError, AnthropicErrorObject, ErrorType
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -60,4 +60,5 @@ def anthropic_error(status: int, detail: Mapping[str, Any]) -> dict[str, Any]:
             message = name + message[len(str(param)) :]
         elif not message.startswith(f"{name}:"):
             message = f"{name}: {message}"
-    return ErrorResponse(error=ErrorObject(type=error_type(status), message=message)).dump()
+    error = AnthropicErrorObject(type=error_type(status), message=message)
+    return AnthropicError(error=error).dump()

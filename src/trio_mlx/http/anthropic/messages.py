@@ -46,7 +46,16 @@ def new_message_id() -> str:
 
 
 def check_supported(body: CountTokensRequest) -> None:
-    """Refuse what parses but is not served yet: tools, and a `tool_choice` that needs them."""
+    """Refuse what parses but is not served yet (tools, and a `tool_choice` that needs them),
+    and `thinking` enabled without its budget."""
+    thinking = body.thinking
+    if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is None:
+        raise APIError(
+            400,
+            "thinking of type 'enabled' needs budget_tokens",
+            param="thinking.budget_tokens",
+            code="missing_required_parameter",
+        )
     if body.tools:
         raise APIError(
             400,

@@ -140,17 +140,17 @@ class MessageStopEvent(AnthropicObject):
     type: Literal["message_stop"] = "message_stop"
 
 
-class ErrorObject(AnthropicObject):
+class AnthropicErrorObject(AnthropicObject):
     type: ErrorType
     message: str
 
 
-class ErrorResponse(AnthropicObject):
+class AnthropicError(AnthropicObject):
     """Every error of these routes, as a response body and as the `error` event of a stream
     that fails after it began."""
 
     type: Literal["error"] = "error"
-    error: ErrorObject
+    error: AnthropicErrorObject
 
 
 STREAM_EVENTS: tuple[type[AnthropicObject], ...] = (
@@ -161,5 +161,5 @@ STREAM_EVENTS: tuple[type[AnthropicObject], ...] = (
     ContentBlockStopEvent,
     MessageDeltaEvent,
     MessageStopEvent,
-    ErrorResponse,
+    AnthropicError,
 )

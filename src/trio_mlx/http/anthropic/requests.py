@@ -66,7 +66,7 @@ class SystemBlock(_Body):
     cache_control: dict[str, Any] | None = None
 
 
-class InputMessage(_Body):
+class MessageParam(_Body):
     """One turn of the conversation. A last `assistant` turn is a prefill: the answer continues
     its text."""
 
@@ -90,7 +90,10 @@ class ThinkingConfig(_Body):
     model_config = ConfigDict(
         json_schema_extra={
             "if": {"properties": {"type": {"const": "enabled"}}, "required": ["type"]},
-            "then": {"required": ["budget_tokens"]},
+            "then": {
+                "required": ["budget_tokens"],
+                "properties": {"budget_tokens": {"type": "integer", "minimum": 1}},
+            },
         }
     )
 
@@ -120,7 +123,7 @@ class CountTokensRequest(_Body):
         default=None, description="A name from GET /v1/models; the served model when left out."
     )
     system: SystemField = None
-    messages: Annotated[list[InputMessage], Field(min_length=1)]
+    messages: Annotated[list[MessageParam], Field(min_length=1)]
     tools: Annotated[list[dict[str, Any]] | None, NoTools] = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
