@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -447,3 +448,29 @@ async def test_a_failure_mid_stream_is_an_error_event(tiny_model_dir: Path) -> N
         assert failed.value.type == "api_error"
         whole = await http.post("/v1/messages", json={**body, "stream": False})
         assert_anthropic_error(whole, 500, "api_error")
+
+
+async def test_a_loading_model_is_503_overloaded_error(tiny_model_dir: Path) -> None:
+    loaded = threading.Event()
+
+    def slow_loader(spec: Any) -> Any:  # runs on the runner thread
+        result = load_model(spec)
+        loaded.wait(timeout=30)
+        return result
+
+    async with (
+        running_server(tiny_model_dir, loader=slow_loader, wait_ready=False) as server,
+        claude_for(server) as claude,
+    ):
+        for call in (
+            claude.messages.create(model="tiny-llama", max_tokens=2, messages=USER),
+            claude.messages.count_tokens(model="tiny-llama", messages=USER),
+        ):
+            with pytest.raises(anthropic.APIStatusError) as loading:
+                await call
+            assert loading.value.status_code == 503 and loading.value.type == "overloaded_error"
+        loaded.set()
+        with trio.fail_after(30):
+            await server.state.ready.wait()
+        ready = await claude.messages.create(model="tiny-llama", max_tokens=2, messages=USER)
+        assert ready.usage.output_tokens == 2
