@@ -180,6 +180,29 @@ async def test_a_stop_sequence_ends_the_answer_and_is_named(
     assert final.content[0].text == expected  # type: ignore[union-attr]
 
 
+async def test_running_out_of_context_is_model_context_window_exceeded(
+    server: RunningServer, claude: anthropic.AsyncAnthropic
+) -> None:
+    context = engine_of(server).context_length
+
+    async def prompt_of(words: int) -> int:
+        turns: Any = [{"role": "user", "content": "word " * words}]
+        return (await claude.messages.count_tokens(model="tiny", messages=turns)).input_tokens
+
+    low, high = await prompt_of(100), await prompt_of(200)
+    words = 100 + (context - 8 - low) * 100 // (high - low)
+    prompt = await prompt_of(words)
+    assert context - 40 < prompt < context, "a prompt a few tokens short of the context"
+    message = await claude.messages.create(
+        model="tiny",
+        max_tokens=100,
+        messages=[{"role": "user", "content": "word " * words}],
+        extra_body=GREEDY,
+    )
+    assert message.stop_reason == "model_context_window_exceeded"
+    assert message.usage.output_tokens == context - prompt
+
+
 async def test_a_last_assistant_turn_is_a_prefill_the_answer_continues(
     server: RunningServer, claude: anthropic.AsyncAnthropic
 ) -> None:
