@@ -92,6 +92,7 @@ async def test_stop_string_across_token_boundaries_ends_the_text_before_it(
     cut = free.text.index(stop)
     stopped = await engine.generate(PROMPT, max_tokens=30, temperature=0.0, stop=[stop, "zzzz"])
     assert stopped.finish_reason == "stop"
+    assert stopped.stop_sequence == stop and free.stop_sequence is None  # which one ended it
     assert stopped.text == free.text[:cut]
     assert stop not in stopped.text
     # Counted: every token up to the one that completed the stop string.

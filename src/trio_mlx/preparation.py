@@ -179,6 +179,21 @@ class RequestPreparer:
             return request
         return dataclasses.replace(request, system_prefix=prompt.system_prefix)
 
+    def count_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> int:
+        """How many tokens `messages` render to, as `chat` would prompt the model with them.
+        Not checked against the context: a count is an answer for a prompt of any length."""
+        with self._lock:
+            prompt = chat_prompt(
+                self.tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+            )
+        return len(prompt.tokens)
+
     def _prepare(
         self,
         tokens: list[int],

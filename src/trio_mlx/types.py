@@ -146,7 +146,7 @@ class GenerationOutput:
     added. `completion_tokens` counts generated tokens, stop-string tokens included, EOS excluded.
     `finish_reason` is set on the last output only: `stop` (EOS or a stop string), `length`
     (`max_tokens` or the context), `abort` (cancelled or the engine closed), `error` (see
-    `error`).
+    `error`). `stop_sequence` names the stop string that ended it (None for EOS or any other end).
     """
 
     text: str = ""
@@ -159,6 +159,8 @@ class GenerationOutput:
     completion_tokens: int = 0
     finish_reason: FinishReason | None = None
     finished: bool = False
+    #: The stop string that ended the generation (`finish_reason="stop"` by a stop string).
+    stop_sequence: str | None = None
     error: str | None = None
     #: Seconds from submission to the first generated token (None until then).
     time_to_first_token: float | None = None

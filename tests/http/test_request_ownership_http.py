@@ -25,6 +25,7 @@ STREAMS = {
     "chat": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 400, "stream": True}),
     "completions": ("/v1/completions", {"prompt": "Once upon", "max_tokens": 400, "stream": True}),
     "responses": ("/v1/responses", {"input": "Count.", "max_output_tokens": 400, "stream": True}),
+    "messages": ("/v1/messages", {"messages": MESSAGES, "max_tokens": 400, "stream": True}),
 }
 
 Message = dict[str, Any]

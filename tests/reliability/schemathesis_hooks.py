@@ -10,8 +10,9 @@ on the server's settings, which a static document cannot state:
 - token ids (`prompt`, `logit_bias` keys) outside the model's vocabulary;
 - an earlier turn's `reasoning_content` that the model's chat template does not render.
 
-Each of them is a 400 whose `param` names the field and whose message says which limit; any
-other refusal of valid data still fails the check.
+Each of them is a 400 whose `param` names the field and whose message says which limit (under
+/v1/messages, Anthropic's error shape: the field leads the message); any other refusal of valid
+data still fails the check.
 
 `GET /v1/responses` is left out of it: that operation is the WebSocket upgrade, which an HTTP
 client cannot perform (no handshake), so it always gets its documented 405; the WebSocket mode
@@ -31,12 +32,24 @@ MAX_TOKENS = int(os.environ.get("TRIO_MLX_ST_MAX_TOKENS", "16"))
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
+def error_fields(body: bytes) -> tuple[str | None, str | None, str]:
+    """`(param, code, message)` of an error body: the OpenAI shape, or Anthropic's (under
+    /v1/messages), whose message starts with the field in dotted form and which has no code."""
+    payload = json.loads(body)
+    error = payload["error"]
+    message = str(error["message"])
+    if payload.get("type") != "error":
+        return error["param"], error["code"], message
+    param = message.split(": ", 1)[0] if ": " in message else None
+    code = "context_length_exceeded" if param == "messages" and "context" in message else None
+    return param, code, message
+
+
 def depends_on_model_or_settings(response: Response) -> bool:
     if response.status_code != 400:
         return False
     try:
-        error = json.loads(response.content)["error"]
-        param, code, message = error["param"], error["code"], str(error["message"])
+        param, code, message = error_fields(response.content)
     except (ValueError, KeyError, TypeError):
         return False
     if code == "context_length_exceeded":

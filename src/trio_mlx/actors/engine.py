@@ -275,6 +275,27 @@ class Engine:
             param=param,
         )
 
+    async def count_chat_tokens_async(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> int:
+        """The length of the prompt `prepare_chat` would build for `messages`, whatever the
+        context; rendered and tokenized on the worker thread tokenization uses. Raises
+        `InvalidRequest` as `prepare_chat` does for messages the template refuses."""
+        return await trio.to_thread.run_sync(
+            partial(
+                self._preparer.count_chat,
+                messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            ),
+            limiter=self._tokenizing,
+            abandon_on_cancel=True,
+        )
+
     # ---- stage 2: admit and run -------------------------------------------------------------
 
     @asynccontextmanager

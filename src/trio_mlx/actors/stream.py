@@ -229,6 +229,7 @@ class RequestStream:
             finish_reason=finish,
             finished=finish is not None,
             error=batch.error if finish == "error" else None,
+            stop_sequence=self._stop.stopped_by if finish == "stop" else None,
         )
         if batch.first_token_at is not None:
             ttft = batch.first_token_at - self._submitted_at

@@ -158,6 +158,10 @@ def chat_prompt(
     starts with that text and a token ends exactly there, that token count is the boundary.
     Otherwise it tokenizes the system part on its own and checks that its tokens are a prefix.
     With `known_systems`, a system prompt seen before is not tokenized again (see there).
+
+    `chat_template_kwargs={"continue_final_message": True}` (Hugging Face's name) renders the
+    last message open, without a generation prompt, so that the reply continues it: an
+    assistant prefill.
     """
     normalized = normalize_messages(messages)
     if not getattr(tokenizer, "has_chat_template", False) and not getattr(
@@ -170,7 +174,10 @@ def chat_prompt(
     check_reasoning_rendered(tokenizer, normalized, kwargs)
     try:
         text = tokenizer.apply_chat_template(
-            normalized, tokenize=False, add_generation_prompt=True, **kwargs
+            normalized,
+            tokenize=False,
+            add_generation_prompt=not kwargs.get("continue_final_message"),
+            **kwargs,
         )
     except InvalidRequest:
         raise
@@ -244,6 +251,8 @@ def _render_system_part(
         count += 1
     if count == 0:
         return None
+    # The system part is rendered closed, whatever the last message is.
+    kwargs = {k: v for k, v in kwargs.items() if k != "continue_final_message"}
     try:
         text = tokenizer.apply_chat_template(
             normalized[:count], tokenize=False, add_generation_prompt=False, **kwargs

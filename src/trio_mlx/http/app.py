@@ -4,7 +4,9 @@ Every response that is not a success is `{"error": {"message", "type", "param", 
 unknown routes (404), wrong methods (405), bodies over `max_body_bytes` (413), non-JSON content
 types (415), malformed JSON and validation failures (400 with `param`), unknown models (404),
 admission refusals (429 with `Retry-After`), a model still loading or a dead engine (503), and
-anything unexpected (500, logged with its traceback).
+anything unexpected (500, logged with its traceback). Under `/v1/messages` (the Anthropic
+Messages API) the same errors, with the same status codes, take Anthropic's shape instead
+(`http/anthropic/errors.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from trio_mlx.http.access_log import AccessLog, record_of
+from trio_mlx.http.anthropic.errors import anthropic_error, is_messages_path
+from trio_mlx.http.anthropic.messages import count_tokens, start_message
+from trio_mlx.http.anthropic.requests import CountTokensRequest, MessagesRequest
+from trio_mlx.http.anthropic.stream import message_events
 from trio_mlx.http.api_key import RequireAPIKey
 from trio_mlx.http.chat import chat_completions
 from trio_mlx.http.completions import completions
@@ -166,6 +172,16 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
         result = await completions(state, body, record_of(request.scope))
         return _json(result) if isinstance(result, dict) else _event_stream(result)
 
+    @app.post("/v1/messages")
+    async def messages_route() -> Response:
+        body = await read_body(MessagesRequest)
+        run = await start_message(state, body, record_of(request.scope))
+        return _event_stream(message_events(run)) if body.stream else _json(await run.final())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens_route() -> Response:
+        return _json(await count_tokens(state, await read_body(CountTokensRequest)))
+
     @app.post("/v1/responses")
     async def responses_route() -> Response:
         body = await read_body(ResponsesRequest)
@@ -286,9 +302,16 @@ def _socket_error(exc: APIError) -> dict[str, Any]:
 
 
 def _error_handlers(app: QuartTrio) -> None:
+    def error_response(
+        body: dict[str, Any], status: int, headers: dict[str, str] | None = None
+    ) -> Response:
+        if is_messages_path(request.path):
+            body = anthropic_error(status, body["error"])
+        return _json(body, status=status, headers=headers)
+
     @app.errorhandler(APIError)
     async def api_error(exc: APIError) -> Response:
-        return _json(exc.body(), status=exc.status, headers=exc.headers)
+        return error_response(exc.body(), exc.status, exc.headers)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
@@ -308,14 +331,14 @@ def _error_handlers(app: QuartTrio) -> None:
         else:
             message = exc.description or exc.name
             kind, code = (SERVER_ERROR if status >= 500 else INVALID_REQUEST), default_code(status)
-        return _json(error_body(message, type=kind, code=code), status=status, headers=headers)
+        return error_response(error_body(message, type=kind, code=code), status, headers)
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.path)
-        return _json(
+        return error_response(
             error_body(
                 f"internal error: {type(exc).__name__}", type=SERVER_ERROR, code="internal_error"
             ),
-            status=500,
+            500,
         )

@@ -2,7 +2,8 @@
 
 Each route lists its request body, its success responses (JSON, and where it streams the SSE
 events, described one by one with OpenAPI 3.2's `itemSchema`) and the error responses it can give,
-all in the OpenAI error shape.
+all in the OpenAI error shape; the Anthropic Messages routes (`/v1/messages`) in Anthropic's
+shapes, their errors included.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from trio_mlx.http.anthropic.objects import STREAM_EVENTS, AnthropicError, Message, TokenCount
+from trio_mlx.http.anthropic.requests import CountTokensRequest, MessagesRequest
 from trio_mlx.http.objects import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -105,6 +108,61 @@ def _named_event_stream(event: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+def _anthropic_stream() -> dict[str, Any]:
+    """Anthropic's SSE framing: `event:` the name of the event (the `type` of its data), `data:`
+    the event's JSON; an `error` event if generation fails mid-stream; no `[DONE]`."""
+    names = [model.model_fields["type"].default for model in STREAM_EVENTS]
+    return {
+        "description": "With `stream: true`: server-sent events `message_start`, "
+        "`content_block_start`, `ping`, `content_block_delta`..., `content_block_stop`, "
+        "`message_delta`, `message_stop` (or `error`), each named by its type",
+        "itemSchema": {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {
+                "event": {"enum": names},
+                "data": _json_text({"anyOf": [_ref(model) for model in STREAM_EVENTS]}),
+            },
+        },
+    }
+
+
+#: Headers Anthropic clients send: accepted, never required (no key is checked here).
+ANTHROPIC_HEADERS = [
+    {"name": name, "in": "header", "required": False, "schema": {"type": "string"}}
+    for name in ("x-api-key", "anthropic-version", "anthropic-beta")
+]
+
+
+def _anthropic(
+    summary: str,
+    body: type[BaseModel],
+    result: type[BaseModel],
+    stream: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": _ref(result)}}
+    if stream is not None:
+        content["text/event-stream"] = stream
+    errors = {
+        code: {
+            "description": ERRORS[code],
+            "content": {"application/json": {"schema": _ref(AnthropicError)}},
+        }
+        for code in ("400", "404", "413", "415", "429", "500", "503")
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "parameters": ANTHROPIC_HEADERS,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(body)}},
+            },
+            "responses": {"200": {"description": "Success", "content": content}} | errors,
+        }
+    }
+
+
 def _generation(
     summary: str, body: type[BaseModel], result: type[BaseModel], stream: dict[str, Any]
 ) -> dict[str, Any]:
@@ -138,6 +196,11 @@ def openapi_document() -> dict[str, Any]:
         ChatCompletionRequest,
         CompletionRequest,
         ResponsesRequest,
+        MessagesRequest,
+        CountTokensRequest,
+        Message,
+        TokenCount,
+        *STREAM_EVENTS,
         ChatCompletion,
         ChatCompletionChunk,
         Completion,
@@ -183,6 +246,17 @@ def openapi_document() -> dict[str, Any]:
                 },
             }
         },
+        "/v1/messages": _anthropic(
+            "Anthropic Messages API: create a message",
+            MessagesRequest,
+            Message,
+            _anthropic_stream(),
+        ),
+        "/v1/messages/count_tokens": _anthropic(
+            "Anthropic Messages API: count a conversation's prompt tokens",
+            CountTokensRequest,
+            TokenCount,
+        ),
         "/v1/models": {"get": _get("The served model and its aliases", _ref(ModelList), "503")},
         "/v1/models/{model}": {
             "get": _get("One model", _ref(ModelCard), "404", "503")
@@ -228,8 +302,9 @@ def openapi_document() -> dict[str, Any]:
         "info": {
             "title": "trio-mlx",
             "version": _version(),
-            "description": "OpenAI-compatible LLM server on MLX. Errors are "
-            '`{"error": {"message", "type", "param", "code"}}`.',
+            "description": "OpenAI-compatible LLM server on MLX, with the Anthropic Messages "
+            'API under /v1/messages. Errors are `{"error": {"message", "type", "param", '
+            '"code"}}`; under /v1/messages, `{"type": "error", "error": {"type", "message"}}`.',
         },
         "paths": paths,
         "components": {"schemas": schemas["$defs"]},

@@ -1,0 +1,10 @@
+"""The Anthropic Messages API: `POST /v1/messages` (streaming and not) and
+`POST /v1/messages/count_tokens`, in Anthropic's request, response, event and error shapes.
+
+- `requests`: the request bodies; `objects`: the responses, stream events and errors;
+- `conversation`: `system` and `messages` as the chat template takes them (prefill included);
+- `messages`: preparing and admitting a request, the final message, token counts;
+- `stream`: the SSE event sequence; `errors`: the server's errors in Anthropic's shape.
+
+`x-api-key`, `anthropic-version` and `anthropic-beta` headers are accepted and not required.
+"""

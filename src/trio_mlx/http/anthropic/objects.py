@@ -1,0 +1,165 @@
+"""Response bodies, stream events and errors of the Anthropic Messages routes, as pydantic models.
+
+They are the single description of what these routes send: route code builds them and
+`openapi.py` documents them. Every field is always present (`stop_reason: null` included), as
+Anthropic sends them.
+
+Usage follows Anthropic's accounting: the prompt is `input_tokens` (prefilled) plus
+`cache_read_input_tokens` (restored from the prefix KV cache) plus `cache_creation_input_tokens`
+(always 0: the prefix cache stores prefixes as a side effect, nothing is billed for it).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from trio_mlx.types import GenerationOutput
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "model_context_window_exceeded"]
+ErrorType = Literal[
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "api_error",
+    "overloaded_error",
+]
+
+
+class AnthropicObject(BaseModel):
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class TextBlock(AnthropicObject):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ThinkingBlock(AnthropicObject):
+    """The model's reasoning (a model whose tokenizer has thinking tags). `signature` is empty:
+    nothing here is signed, and a thinking block sent back is dropped, not verified."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
+OutputBlock = Annotated[TextBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class MessageUsage(AnthropicObject):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+    @classmethod
+    def of(cls, final: GenerationOutput) -> MessageUsage:
+        return cls(
+            input_tokens=final.prompt_tokens - final.cached_tokens,
+            output_tokens=final.completion_tokens,
+            cache_read_input_tokens=final.cached_tokens,
+        )
+
+
+class Message(AnthropicObject):
+    """A Messages API answer. `stop_reason` is null only in the `message_start` event."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[OutputBlock]
+    stop_reason: StopReason | None = None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+
+
+class TokenCount(AnthropicObject):
+    input_tokens: int
+
+
+# ---- stream events -------------------------------------------------------------------------
+
+
+class MessageStartEvent(AnthropicObject):
+    type: Literal["message_start"] = "message_start"
+    message: Message
+
+
+class ContentBlockStartEvent(AnthropicObject):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: OutputBlock
+
+
+class PingEvent(AnthropicObject):
+    type: Literal["ping"] = "ping"
+
+
+class TextDelta(AnthropicObject):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class ThinkingDelta(AnthropicObject):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class ContentBlockDeltaEvent(AnthropicObject):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    delta: Annotated[TextDelta | ThinkingDelta, Field(discriminator="type")]
+
+
+class ContentBlockStopEvent(AnthropicObject):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class StopDelta(AnthropicObject):
+    stop_reason: StopReason
+    stop_sequence: str | None = None
+
+
+class MessageDeltaEvent(AnthropicObject):
+    """The end of the answer: why it stopped, and the final usage (cumulative, every count)."""
+
+    type: Literal["message_delta"] = "message_delta"
+    delta: StopDelta
+    usage: MessageUsage
+
+
+class MessageStopEvent(AnthropicObject):
+    type: Literal["message_stop"] = "message_stop"
+
+
+class AnthropicErrorObject(AnthropicObject):
+    type: ErrorType
+    message: str
+
+
+class AnthropicError(AnthropicObject):
+    """Every error of these routes, as a response body and as the `error` event of a stream
+    that fails after it began."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorObject
+
+
+STREAM_EVENTS: tuple[type[AnthropicObject], ...] = (
+    MessageStartEvent,
+    ContentBlockStartEvent,
+    PingEvent,
+    ContentBlockDeltaEvent,
+    ContentBlockStopEvent,
+    MessageDeltaEvent,
+    MessageStopEvent,
+    AnthropicError,
+)
