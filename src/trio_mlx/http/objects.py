@@ -85,10 +85,24 @@ class CompletionLogprobs(_Out):
 # ---- chat --------------------------------------------------------------------------------------
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Out):
+    """A call the assistant makes (`message.tool_calls[]`); `arguments` is JSON text."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
     def dump(self) -> dict[str, Any]:  # content is always present (null only when absent)
         out = super().dump()
@@ -112,10 +126,26 @@ class ChatCompletion(_Out):
     usage: Usage
 
 
+class FunctionCallDelta(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Out):
+    """A piece of a streamed call: the first carries `index`, `id`, `type` and the name (with
+    empty `arguments`); later ones the same `index` and the next piece of `arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Out):

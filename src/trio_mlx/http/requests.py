@@ -3,8 +3,7 @@
 Types and ranges that are plain facts about the field are checked here (a failure is a 400 whose
 `param` names the field); values that depend on the model (token ids, the context) are checked by
 the engine's `RequestPreparer`. Unknown fields are ignored, as the OpenAI API does. Fields that are
-accepted but only take one value here (`n`, `best_of`, `tool_choice` beyond "auto"/"none") are
-validated, never silently ignored.
+accepted but only take one value here (`n`, `best_of`) are validated, never silently ignored.
 """
 
 from __future__ import annotations
@@ -213,6 +212,21 @@ class FunctionDefinition(_Body):
     strict: bool | None = None
 
 
+#: `tool_choice` naming one function (chat: under `function`; Responses: `name` itself).
+NAMED_FUNCTION_CHOICE = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}},
+            "required": ["name"],
+        },
+    },
+    "required": ["type", "function"],
+}
+
+
 class ChatTool(_Body):
     type: Literal["function"]
     function: FunctionDefinition
@@ -245,9 +259,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     tools: list[ChatTool] | None = None
+    # Checked against `tools` in `http/tooling.py` (a named function must be one of them).
     tool_choice: Annotated[
-        Literal["none", "auto"] | dict[str, Any] | None,
-        WithJsonSchema({"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]}),
+        Literal["none", "auto", "required"] | dict[str, Any] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"enum": ["none", "auto", "required"]},
+                    NAMED_FUNCTION_CHOICE,
+                    {"type": "null"},
+                ]
+            }
+        ),
     ] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -256,13 +279,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         _only_one_choice(self.n)
-        if isinstance(self.tool_choice, dict):
-            raise APIError(
-                400,
-                "tool_choice may be 'auto' or 'none' on this server",
-                param="tool_choice",
-                code="unsupported_value",
-            )
         if self.response_format is not None and self.response_format.type != "text":
             raise APIError(
                 400,

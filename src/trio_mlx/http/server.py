@@ -207,6 +207,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         served_model_names=tuple(args.served_model_name or ()),
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=getattr(args, "tool_call_parser", "auto"),
         engine_options=engine_options,
     )
 

@@ -28,6 +28,9 @@ class ServerSettings:
     served_model_names: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout: float = 10.0
+    #: How function calls are read from replies: "auto" (from the chat template) or a format
+    #: name of `trio_mlx.tools.PARSER_CHOICES`.
+    tool_call_parser: str = "auto"
     engine_options: dict[str, Any] = field(default_factory=dict)
 
 
