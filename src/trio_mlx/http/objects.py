@@ -207,6 +207,21 @@ class OutputMessage(_Out):
     content: list[OutputText]
 
 
+class FunctionCallItem(_Out):
+    """A call the model made (an output item; sent back later as an input item with its
+    `call_id` and then a `function_call_output`)."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
 class InputTokensDetails(_Out):
     cached_tokens: int = 0
 
@@ -233,7 +248,7 @@ class ResponseObject(_Out):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -241,9 +256,9 @@ class ResponseObject(_Out):
     incomplete_details: IncompleteDetails | None = None
     error: ErrorDetail | None = None
     usage: ResponseUsage | None = None
-    parallel_tool_calls: bool = False
-    tool_choice: str = "auto"
-    tools: list[Any] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)
     output_text: str | None = None
 
@@ -252,8 +267,10 @@ class ResponseStreamEvent(_Out):
     """One event of a streamed response (SSE `event:`/`data:` or one WebSocket message).
     `type` is `response.created`, `response.in_progress`, `response.output_item.added`,
     `response.content_part.added`, `response.output_text.delta`, `response.output_text.done`,
-    `response.content_part.done`, `response.output_item.done`, then `response.completed`,
-    `response.incomplete` or `response.failed`; or `error`."""
+    `response.content_part.done`, `response.output_item.done` (for a function call:
+    `response.output_item.added`, `response.function_call_arguments.delta`,
+    `response.function_call_arguments.done`, `response.output_item.done`), then
+    `response.completed`, `response.incomplete` or `response.failed`; or `error`."""
 
     type: str
     sequence_number: int
@@ -261,10 +278,12 @@ class ResponseStreamEvent(_Out):
     output_index: int | None = None
     content_index: int | None = None
     item_id: str | None = None
-    item: OutputMessage | None = None
+    item: OutputItem | None = None
     part: OutputText | None = None
     delta: str | None = None
     text: str | None = None
+    name: str | None = None
+    arguments: str | None = None
     logprobs: list[Any] | None = None
 
 
