@@ -67,7 +67,7 @@ _SIGNATURES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("<function=", "<parameter="), "qwen3_coder"),
     (("<tool_call>",), "hermes"),
     (("[TOOL_CALLS]",), "mistral"),
-    (("<|python_tag|>", "<|eom_id|>"), "llama3_json"),
+    (("<|python_tag|>", "<|eom_id|>", "<|start_header_id|>ipython"), "llama3_json"),
 )
 
 
