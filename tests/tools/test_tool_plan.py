@@ -174,3 +174,15 @@ def test_a_history_call_without_a_name_is_refused(tokenizer: Any) -> None:
 )
 def test_the_format_is_detected_from_the_chat_template(template: str, expected: str | None) -> None:
     assert detect_format(template) == expected
+
+
+def test_gpt_oss_replies_are_read_by_channel_even_without_tools(tokenizer: Any) -> None:
+    tokenizer.chat_template = "{{- '<|start|>assistant<|channel|>final<|message|>' }} to=functions."
+    plan = plan_tools(CONVERSATION[:1], None, None, None, tokenizer=tokenizer, parser="auto")
+    reader = plan.reader()
+    assert reader is not None
+    parsed = reader.parse(
+        "<|channel|>analysis<|message|>hm<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Hello.<|return|>"
+    )
+    assert (parsed.reasoning, parsed.content, parsed.calls) == ("hm", "Hello.", [])

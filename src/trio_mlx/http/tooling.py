@@ -3,8 +3,9 @@
 `plan_tools` decides, before anything is admitted, how one request's tools reach the model and
 how its reply is read (a `ToolPlan`):
 
-- `tool_choice: "none"` (or no tools): nothing is offered and nothing is parsed; earlier calls and
-  results in the conversation are still rendered.
+- `tool_choice: "none"` (or no tools): nothing is offered and nothing is parsed (but gpt-oss's
+  harmony channels, which every reply of that model has); earlier calls and results in the
+  conversation are still rendered.
 - a chat template that renders tools (it uses `tools`): the tools go to the template, and the
   reply is read by the parser of the template's format (`--tool-call-parser auto`) or the one the
   operator named; a format the registry does not know leaves the reply as content.
@@ -42,6 +43,7 @@ from trio_mlx.tools import (
     template_text,
 )
 from trio_mlx.tools.fallback import calls_as_text, result_as_text, tools_system_prompt
+from trio_mlx.tools.harmony import HarmonyFormat
 from trio_mlx.tools.hermes import HermesFormat
 
 
@@ -137,6 +139,11 @@ def plan_tools(
     knows_tools = template_knows_tools(template)
     conversation = _history(messages, knows_tools)
     if not tools or tool_choice == "none":
+        # gpt-oss writes every reply in channels (its thinking in `analysis`): read it so,
+        # with or without tools.
+        harmony = format_class(parser, template) if parser in ("auto", "harmony") else None
+        if harmony is HarmonyFormat:
+            return ToolPlan(conversation, call_format=HarmonyFormat())
         return ToolPlan(conversation)
     parallel = parallel_tool_calls is not False
     instruction = _instruction(forced, parallel)

@@ -54,6 +54,40 @@ ALIASES = {
     "gemma": "gemma3",
     "pythonic": "gemma3",
 }
+#: Tool-call markup some tokenizers hold as special tokens: the detokenizer keeps these in the
+#: text (`text.detokenizer.decoder_for`) so that the parsers see them.
+MARKUP_TOKENS = frozenset(
+    {
+        "[TOOL_CALLS]",
+        "[ARGS]",
+        "[CALL_ID]",
+        "<|python_tag|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_section_begin|>",
+        "<|tool_call_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+        "<|start|>",
+        "<|channel|>",
+        "<|message|>",
+        "<|constrain|>",
+        "<|end|>",
+        "<|call|>",
+    }
+)
 AUTO = "auto"
 #: What `--tool-call-parser` accepts.
 PARSER_CHOICES = (AUTO, *FORMATS)
