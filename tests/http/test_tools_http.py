@@ -331,3 +331,44 @@ async def test_client_gone_in_the_middle_of_a_call_frees_the_engine(scripted: Sc
         reply = await http.post("/v1/chat/completions", json={"messages": ASK, "tools": TOOLS})
     assert reply.status_code == 200
     assert reply.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+
+
+async def test_bad_tools_and_items_on_responses_are_400s_naming_the_field(
+    scripted: Scripted,
+) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        (
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input[0].call_id",
+        ),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+        ({"input": [{"type": "message", "content": "hi"}]}, "input[0].role"),
+        (
+            {
+                "input": "hi",
+                "tools": RESPONSE_TOOLS,
+                "tool_choice": {"type": "function", "name": "x"},
+            },
+            "tool_choice",
+        ),
+    ]
+    async with httpx.AsyncClient(base_url=scripted.server.url, timeout=30) as http:
+        for body, param in cases:
+            reply = await http.post("/v1/responses", json=body)
+            assert reply.status_code == 400, (body, reply.text)
+            assert reply.json()["error"]["param"] == param, reply.text
+        chat = await http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [
+                    *ASK,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+                    },
+                ]
+            },
+        )
+    assert chat.status_code == 400
+    assert chat.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"

@@ -125,11 +125,17 @@ def test_a_named_parser_overrides_the_template(tokenizer: Any) -> None:
         ("none", None),
         ("required", "required"),
         ({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
-        ({"type": "function", "name": "get_weather"}, "get_weather"),  # the Responses shape
     ],
 )
 def test_tool_choice_values(choice: Any, forced: str | None) -> None:
     assert forced_function(TOOLS, choice) == forced
+
+
+def test_the_responses_api_names_the_function_at_the_top() -> None:
+    choice = {"type": "function", "name": "get_weather"}
+    assert forced_function(TOOLS, choice, nested=False) == "get_weather"
+    with pytest.raises(APIError):
+        forced_function(TOOLS, choice)  # not chat's shape
 
 
 @pytest.mark.parametrize(
@@ -147,11 +153,24 @@ def test_bad_tool_choice_is_a_400_on_tool_choice(choice: Any) -> None:
     assert refused.value.status == 400 and refused.value.param == "tool_choice"
 
 
-def test_a_history_call_without_a_name_is_refused(tokenizer: Any) -> None:
-    bad = [CONVERSATION[0], {"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}]
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        ({"id": "x"}, "messages[1].tool_calls[0].function"),
+        ({"function": {"arguments": "{}"}}, "messages[1].tool_calls[0].function.name"),
+        (
+            {"function": {"name": "f", "arguments": {}}},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ({"id": 3, "function": {"name": "f"}}, "messages[1].tool_calls[0].id"),
+        ({"type": "code", "function": {"name": "f"}}, "messages[1].tool_calls[0].type"),
+    ],
+)
+def test_a_bad_call_in_the_history_is_refused(tokenizer: Any, call: Any, param: str) -> None:
+    bad = [CONVERSATION[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
     with pytest.raises(APIError) as refused:
         plan_tools(bad, TOOLS, "auto", None, tokenizer=tokenizer, parser="auto")
-    assert refused.value.param == "messages[1].tool_calls[0].function.name"
+    assert refused.value.param == param
 
 
 @pytest.mark.parametrize(

@@ -200,7 +200,36 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    # Checked in `http/tooling.py` (for its messages); the schema states the same.
+    tool_calls: Annotated[
+        list[dict[str, Any]] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "id": {"type": "string"},
+                                "type": {"const": "function"},
+                                "function": {
+                                    "type": "object",
+                                    "properties": {
+                                        "name": {"type": "string", "minLength": 1},
+                                        "arguments": {"type": "string"},
+                                    },
+                                    "required": ["name"],
+                                },
+                            },
+                            "required": ["function"],
+                        },
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 

@@ -134,6 +134,7 @@ async def start_response(
         body.parallel_tool_calls,
         tokenizer=engine.tokenizer,
         parser=state.settings.tool_call_parser,
+        nested_choice=False,
     )
     options = body.sampling_options() | plan.options
     prepared = await prepare_async(

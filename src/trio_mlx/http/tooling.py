@@ -52,10 +52,16 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def forced_function(
-    tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, *, param: str = "tool_choice"
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: Any,
+    *,
+    param: str = "tool_choice",
+    nested: bool = True,
 ) -> str | None:
     """What `tool_choice` demands: None ("auto", "none", absent), "required", or the name of
-    the function it names (which must be one of `tools`: else a 400 naming `param`)."""
+    the function it names (which must be one of `tools`: else a 400 naming `param`). `nested`:
+    chat's shape (`{"type": "function", "function": {"name": ...}}`); else the Responses API's
+    (`{"type": "function", "name": ...}`)."""
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
     if tool_choice == "required":
@@ -63,14 +69,16 @@ def forced_function(
             raise APIError(400, "tool_choice 'required' needs tools", param=param)
         return "required"
     if isinstance(tool_choice, Mapping):
-        function = tool_choice.get("function", tool_choice)
+        function = tool_choice.get("function") if nested else tool_choice
         name = function.get("name") if isinstance(function, Mapping) else None
         if tool_choice.get("type") != "function" or not isinstance(name, str):
+            shape = (
+                '{"type": "function", "function": {"name": ...}}'
+                if nested
+                else '{"type": "function", "name": ...}'
+            )
             raise APIError(
-                400,
-                "tool_choice must be 'none', 'auto', 'required' or "
-                '{"type": "function", "function": {"name": ...}}',
-                param=param,
+                400, f"tool_choice must be 'none', 'auto', 'required' or {shape}", param=param
             )
         if name not in tool_names(tools or ()):
             raise APIError(
@@ -130,11 +138,12 @@ def plan_tools(
     tokenizer: Any,
     parser: str,
     param: str = "tool_choice",
+    nested_choice: bool = True,
 ) -> ToolPlan:
     """The `ToolPlan` of a request (see the module); raises `APIError` for a bad `tool_choice`.
     `messages` are template messages (`chat.template_messages`); `tools` are in the chat shape
     (`{"type": "function", "function": {...}}`)."""
-    forced = forced_function(tools, tool_choice, param=param)
+    forced = forced_function(tools, tool_choice, param=param, nested=nested_choice)
     template = template_text(getattr(tokenizer, "chat_template", None))
     knows_tools = template_knows_tools(template)
     conversation = _history(messages, knows_tools)
@@ -219,21 +228,38 @@ def _calls(calls: Any, param: str) -> list[ToolCall]:
         raise APIError(400, "tool_calls must be a list", param=param)
     out = []
     for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, Mapping) else None
-        name = function.get("name") if isinstance(function, Mapping) else None
+        where = f"{param}[{j}]"
+        if not isinstance(call, Mapping):
+            raise APIError(400, "a tool call must be an object", param=where)
+        function = call.get("function")
+        if not isinstance(function, Mapping):
+            raise APIError(
+                400,
+                "a tool call needs function",
+                param=f"{where}.function",
+                code="missing_required_parameter",
+            )
+        name = function.get("name")
         if not isinstance(name, str) or not name:
             raise APIError(
                 400,
                 "a tool call needs function.name",
-                param=f"{param}[{j}].function.name",
+                param=f"{where}.function.name",
                 code="missing_required_parameter",
             )
-        assert isinstance(function, Mapping) and isinstance(call, Mapping)
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        call_id = call.get("id")
-        out.append(ToolCall(name, arguments, call_id if isinstance(call_id, str) else f"call_{j}"))
+            raise APIError(
+                400,
+                "function.arguments must be a string (JSON text)",
+                param=f"{where}.function.arguments",
+            )
+        call_id = call.get("id", f"call_{j}")
+        if not isinstance(call_id, str):
+            raise APIError(400, "a tool call's id must be a string", param=f"{where}.id")
+        if call.get("type", "function") != "function":
+            raise APIError(400, "a tool call's type must be 'function'", param=f"{where}.type")
+        out.append(ToolCall(name, arguments, call_id))
     return out
 
 
