@@ -413,7 +413,10 @@ class InputItem(_Body):
                         "required": ["type"],
                     },
                     "then": {
-                        "properties": {"call_id": {"type": "string"}},
+                        "properties": {
+                            "call_id": {"type": "string"},
+                            "output": {"type": ["string", "array"]},
+                        },
                         "required": ["call_id", "output"],
                     },
                 },
@@ -425,7 +428,10 @@ class InputItem(_Body):
                         ]
                     },
                     "then": {
-                        "properties": {"content": {"type": ["string", "array"]}},
+                        "properties": {
+                            "role": {"enum": ["system", "developer", "user", "assistant"]},
+                            "content": {"type": ["string", "array"]},
+                        },
                         "required": ["role", "content"],
                     },
                 },

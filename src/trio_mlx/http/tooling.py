@@ -202,10 +202,10 @@ def _history(messages: list[dict[str, Any]], knows_tools: bool) -> list[dict[str
     out = []
     for i, message in enumerate(messages):
         calls = message.get("tool_calls")
-        if message["role"] == "assistant" and calls is not None:
+        if calls is not None:  # checked on any message; only an assistant's are calls
             parsed = _calls(calls, f"messages[{i}].tool_calls")
             message = {k: v for k, v in message.items() if k != "tool_calls"}
-            if knows_tools:
+            if message["role"] == "assistant" and knows_tools:
                 message["tool_calls"] = [
                     {
                         "id": call.id,
@@ -214,10 +214,10 @@ def _history(messages: list[dict[str, Any]], knows_tools: bool) -> list[dict[str
                     }
                     for call in parsed
                 ]
-            else:
+            elif message["role"] == "assistant":
                 text = calls_as_text(parsed)
                 message["content"] = f"{message['content']}\n{text}" if message["content"] else text
-        elif message["role"] == "tool" and not knows_tools:
+        if message["role"] == "tool" and not knows_tools:
             message = {"role": "user", "content": result_as_text(message["content"])}
         out.append(message)
     return out
