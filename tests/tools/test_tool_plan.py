@@ -205,3 +205,11 @@ def test_gpt_oss_replies_are_read_by_channel_even_without_tools(tokenizer: Any) 
         "<|channel|>final<|message|>Hello.<|return|>"
     )
     assert (parsed.reasoning, parsed.content, parsed.calls) == ("hm", "Hello.", [])
+
+
+def test_a_named_format_with_its_own_fallback_syntax_is_asked_for(tokenizer: Any) -> None:
+    tokenizer.chat_template = "{{ '<start_of_turn>' }}{{ messages[0]['content'] }}"
+    plan = plan_tools(CONVERSATION[:1], TOOLS, "auto", None, tokenizer=tokenizer, parser="gemma3")
+    assert plan.call_format is not None and plan.call_format.name == "gemma3"
+    assert "```tool_code" in plan.messages[0]["content"]
+    assert "<tool_call>" not in plan.messages[0]["content"]

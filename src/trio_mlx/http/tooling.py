@@ -10,8 +10,9 @@ how its reply is read (a `ToolPlan`):
   reply is read by the parser of the template's format (`--tool-call-parser auto`) or the one the
   operator named; a format the registry does not know leaves the reply as content.
 - a template that knows no tools (the bundled SmolLM2's): the tools are described in a system
-  prompt (`trio_mlx.tools.fallback`, the Hermes `<tool_call>` format), earlier calls and results
-  are written in that format, and the reply is read by the Hermes parser (or the named one).
+  prompt (`trio_mlx.tools.fallback`, the Hermes `<tool_call>` format or the named format's own
+  `fallback_syntax`), earlier calls and results are written in the Hermes format, and the reply
+  is read by the Hermes parser (or the named one).
 - `tool_choice: "required"` or a named function: checked against the tools (an unknown name is a
   400 on `tool_choice`), stated in the prompt, and passed to `forced_tool_calls_format`.
 
@@ -42,7 +43,12 @@ from trio_mlx.tools import (
     template_knows_tools,
     template_text,
 )
-from trio_mlx.tools.fallback import calls_as_text, result_as_text, tools_system_prompt
+from trio_mlx.tools.fallback import (
+    HERMES_SYNTAX,
+    calls_as_text,
+    result_as_text,
+    tools_system_prompt,
+)
 from trio_mlx.tools.harmony import HarmonyFormat
 from trio_mlx.tools.hermes import HermesFormat
 
@@ -166,8 +172,11 @@ def plan_tools(
         call_format = named(tools) if named is not None else None
         plan_tools_list: list[dict[str, Any]] | None = tools
     else:
-        conversation = _with_system_text(conversation, tools_system_prompt(tools, instruction))
-        call_format = (named or HermesFormat)(tools) if parser != "auto" else HermesFormat(tools)
+        chosen = named if parser != "auto" and named is not None else HermesFormat
+        syntax = chosen.fallback_syntax or HERMES_SYNTAX
+        prompt = tools_system_prompt(tools, instruction, syntax)
+        conversation = _with_system_text(conversation, prompt)
+        call_format = chosen(tools)
         plan_tools_list = None
     options: dict[str, Any] = {}
     if forced is not None and call_format is not None:

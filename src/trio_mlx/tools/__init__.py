@@ -15,6 +15,7 @@ from trio_mlx.tools.events import (
     ToolEvent,
     collect,
 )
+from trio_mlx.tools.format import ToolCallStream, ToolFormat
 from trio_mlx.tools.registry import (
     AUTO,
     FORMATS,
@@ -24,7 +25,6 @@ from trio_mlx.tools.registry import (
     template_knows_tools,
     template_text,
 )
-from trio_mlx.tools.sections import ToolCallStream, ToolFormat
 
 __all__ = [
     "AUTO",

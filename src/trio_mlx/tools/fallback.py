@@ -16,7 +16,9 @@ The prompt (`tools_system_prompt`) reads:
     needed, answer directly.
 
 followed by the `tool_choice` instruction when the request requires a call. The model's reply
-is then read by the Hermes parser.
+is then read by the Hermes parser; a format named with `--tool-call-parser` reads it instead,
+and where that format has its own `fallback_syntax` (Gemma 3's `tool_code` blocks) the prompt
+asks for that.
 """
 
 from __future__ import annotations
@@ -27,19 +29,29 @@ from typing import Any
 
 from trio_mlx.tools.calls import ToolCall
 
+#: How the prompt asks for a call in the Hermes format (the default).
+HERMES_SYNTAX = (
+    "To call a function, reply with one block per call:\n"
+    "<tool_call>\n"
+    '{"name": "<function name>", "arguments": {<the arguments as JSON>}}\n'
+    "</tool_call>"
+)
 
-def tools_system_prompt(tools: Sequence[Mapping[str, Any]], instruction: str | None = None) -> str:
-    """The system prompt text that offers `tools` (OpenAI's `{"type": "function", ...}`)."""
+
+def tools_system_prompt(
+    tools: Sequence[Mapping[str, Any]],
+    instruction: str | None = None,
+    call_syntax: str = HERMES_SYNTAX,
+) -> str:
+    """The system prompt text that offers `tools` (OpenAI's `{"type": "function", ...}`);
+    `call_syntax` says how to write a call (a format's `fallback_syntax`)."""
     listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
     lines = [
         "You can call functions to answer. These are the functions, as JSON Schema:",
         "<tools>",
         listed,
         "</tools>",
-        "To call a function, reply with one block per call:",
-        "<tool_call>",
-        '{"name": "<function name>", "arguments": {<the arguments as JSON>}}',
-        "</tool_call>",
+        call_syntax,
         "The results come back in <tool_response></tool_response> blocks. When no function is "
         "needed, answer directly.",
     ]

@@ -21,6 +21,12 @@ FENCE = "```"
 
 class Gemma3Format(SectionFormat):
     name = "gemma3"
+    fallback_syntax = (
+        "To call functions, reply with a tool_code block of Python calls, one a line:\n"
+        "```tool_code\n"
+        '<function name>(<argument>="<value>", ...)\n'
+        "```"
+    )
     start_markers = (TOOL_CODE,)
     leading_markers = (JSON_BLOCK, "{")
 

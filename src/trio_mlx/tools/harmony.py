@@ -18,8 +18,8 @@ from typing import Literal
 
 from trio_mlx.tools.calls import new_call_id
 from trio_mlx.tools.events import ArgumentsAppended, CallStarted, Content, Reasoning, ToolEvent
+from trio_mlx.tools.format import ToolCallStream, ToolFormat
 from trio_mlx.tools.markup import cut_at_first, partial_marker_suffix, stable_prefix
-from trio_mlx.tools.sections import ToolCallStream, ToolFormat
 
 MESSAGE = "<|message|>"
 CHANNEL = "<|channel|>"

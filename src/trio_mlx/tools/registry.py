@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trio_mlx.tools.deepseek import DeepSeekFormat
+from trio_mlx.tools.format import ToolFormat
 from trio_mlx.tools.gemma3 import Gemma3Format
 from trio_mlx.tools.glm45 import GLM45Format
 from trio_mlx.tools.harmony import HarmonyFormat
@@ -20,7 +21,6 @@ from trio_mlx.tools.kimi_k2 import KimiK2Format
 from trio_mlx.tools.llama3 import Llama3JsonFormat
 from trio_mlx.tools.mistral import MistralFormat
 from trio_mlx.tools.qwen3_coder import Qwen3CoderFormat
-from trio_mlx.tools.sections import ToolFormat
 
 FORMATS: dict[str, type[ToolFormat]] = {
     f.name: f

@@ -14,22 +14,14 @@ the same content and calls as parsing it whole.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from trio_mlx.tools.calls import new_call_id
-from trio_mlx.tools.events import (
-    ArgumentsAppended,
-    CallStarted,
-    Content,
-    ParsedOutput,
-    ToolEvent,
-    collect,
-)
+from trio_mlx.tools.events import ArgumentsAppended, CallStarted, Content, ToolEvent
+from trio_mlx.tools.format import ToolCallStream, ToolFormat
 from trio_mlx.tools.markup import partial_marker_suffix
-from trio_mlx.tools.schemas import ToolSchemas
 
 
 @dataclass(frozen=True)
@@ -40,34 +32,6 @@ class PartialCall:
     name: str
     arguments: str = ""
     id: str | None = None
-
-
-class ToolCallStream(ABC):
-    """An incremental parser of one output: feed it text deltas, then `finish` at the end."""
-
-    @abstractmethod
-    def feed(self, text: str) -> list[ToolEvent]: ...
-
-    @abstractmethod
-    def finish(self) -> list[ToolEvent]: ...
-
-
-class ToolFormat(ABC):
-    """A model family's tool-call format: makes one parser per output."""
-
-    #: The name `--tool-call-parser` takes.
-    name: ClassVar[str]
-
-    def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
-        self.tools = ToolSchemas(tools)
-
-    @abstractmethod
-    def stream(self) -> ToolCallStream: ...
-
-    def parse(self, text: str) -> ParsedOutput:
-        """A whole output's content and calls."""
-        stream = self.stream()
-        return collect([*stream.feed(text), *stream.finish()])
 
 
 class SectionFormat(ToolFormat):
