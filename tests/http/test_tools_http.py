@@ -372,3 +372,45 @@ async def test_bad_tools_and_items_on_responses_are_400s_naming_the_field(
         )
     assert chat.status_code == 400
     assert chat.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+async def test_with_batching_a_tool_stream_gone_leaves_the_other_request_whole(
+    tiny_model_dir: Path,
+) -> None:
+    async with running_server(tiny_model_dir, max_num_seqs=2) as server:
+        engine = server.state.engine
+        assert engine is not None
+        other = {
+            "messages": [{"role": "user", "content": "Tell me about Paris."}],
+            "tools": TOOLS,
+            "max_tokens": 40,
+            "temperature": 0,
+            "logit_bias": {"2": -100},  # no EOS: it runs its 40 tokens
+        }
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            alone = (await http.post("/v1/chat/completions", json=other)).json()
+            before = engine.get_stats()["runner"]
+            result: dict[str, Any] = {}
+
+            async def leaver() -> None:
+                body = {**other, "max_tokens": 600, "stream": True}
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    seen = 0
+                    async for line in response.aiter_lines():
+                        seen += line.startswith("data: {")
+                        if seen == 3:
+                            break
+
+            async def stayer() -> None:
+                result["reply"] = (await http.post("/v1/chat/completions", json=other)).json()
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(leaver)
+                    nursery.start_soon(stayer)
+            stats = await wait_until_idle(engine)
+        assert stats["runner"]["aborted"] == before["aborted"] + 1
+        assert max(int(size) for size in stats["runner"]["batch_sizes"]) > 1  # they ran together
+        reply = result["reply"]
+        assert reply["usage"]["completion_tokens"] == 40
+        assert reply["choices"][0]["message"] == alone["choices"][0]["message"]
