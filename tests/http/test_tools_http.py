@@ -5,6 +5,7 @@ these also cover the fallback system prompt and the Hermes `<tool_call>` format.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ from idle import wait_until_idle
 from model_wrappers import ScriptedReplies, wrapping_loader
 from servers import running_server
 from sse import chunks, named_events
+from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.http.server import RunningServer
 
 WEATHER = {
@@ -414,3 +416,45 @@ async def test_with_batching_a_tool_stream_gone_leaves_the_other_request_whole(
         reply = result["reply"]
         assert reply["usage"]["completion_tokens"] == 40
         assert reply["choices"][0]["message"] == alone["choices"][0]["message"]
+
+
+async def test_the_reasoning_split_still_applies_before_a_call(tiny_model_dir: Path) -> None:
+    made: list[ScriptedReplies] = []
+
+    def loader(spec: str | Path | None) -> LoadedModel:
+        loaded = load_model(spec)
+        tokenizer = loaded.tokenizer
+        tokenizer._think_start, tokenizer._think_end = "<think>", "</think>"
+        tokenizer._think_start_tokens = tuple(tokenizer.encode("<think>", add_special_tokens=False))
+        tokenizer._think_end_tokens = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+        made.append(ScriptedReplies(loaded.model))
+        return dataclasses.replace(loaded, model=made[0])
+
+    async with running_server(
+        tiny_model_dir,
+        loader=loader,
+        max_num_seqs=1,
+        fused_tail_tokens=1,
+        cache_memory_bytes=0,
+        prefill_chunk_seconds=30.0,
+    ) as server:
+        made[0].armed = True
+        scripted = Scripted(server, made[0])
+        reply = "<think>The user wants the weather.</think>" + CALL
+        scripted.will_reply(reply, reply)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            body = {"messages": ASK, "tools": TOOLS}
+            whole = (await http.post("/v1/chat/completions", json=body)).json()
+            streamed = chunks(
+                (await http.post("/v1/chat/completions", json={**body, "stream": True})).text
+            )
+    message = whole["choices"][0]["message"]
+    assert message["reasoning_content"] == "The user wants the weather."
+    assert message["content"] is None
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+    deltas = [e["choices"][0]["delta"] for e in streamed]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants the weather."
+    assert "".join(d.get("content", "") for d in deltas) == ""
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Paris"}

@@ -125,6 +125,12 @@ class ChatCompletion(_Out):
     choices: list[ChatChoice]
     usage: Usage
 
+    def dump(self) -> dict[str, Any]:  # a message's content is always present (null with calls)
+        out = super().dump()
+        for choice in out["choices"]:
+            choice["message"].setdefault("content", None)
+        return out
+
 
 class FunctionCallDelta(_Out):
     name: str | None = None
