@@ -200,3 +200,39 @@ def tokenizer_loader(
         return dataclasses.replace(loaded, tokenizer=wrapped)
 
     return loader, made
+
+
+class ScriptedReplies(_Wrapped):
+    """Each request's completion starts with the next script of `replies` (token ids; end one
+    with EOS to end the reply there), forced greedily on top of the real forward pass; with no
+    script left, the model's own tokens. `prompts` receives each request's prompt tokens but
+    the last.
+
+    A request is recognised by its first forward pass, the one that starts at cache offset 0;
+    the server must run with `max_num_seqs=1`, `fused_tail_tokens=1`, no prefix cache and
+    one-chunk prefills, so that this pass holds the whole prompt but its last token (which the
+    next pass feeds, giving the first completion token). Passes before `armed` is set (the
+    engine's load-time probes) are not requests."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.replies: list[list[int]] = []
+        self.prompts: list[list[int]] = []
+        self.armed = False
+        self._script: list[int] | None = None
+        self._prompt_len = 0
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        before = cache[0].offset if cache else 0
+        fed = int(tokens.shape[1])
+        if self.armed and before == 0:
+            self.prompts.append(tokens.tolist()[0])
+            self._script = self.replies.pop(0) if self.replies else None
+            self._prompt_len = fed + 1
+        logits = self._inner(tokens, cache=cache)
+        index = before + fed - self._prompt_len
+        if self._script is not None and 0 <= index < len(self._script):
+            bias = mx.zeros((logits.shape[-1],), dtype=logits.dtype)
+            bias[self._script[index]] = 1e4
+            logits = logits + bias
+        return logits

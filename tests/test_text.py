@@ -93,3 +93,24 @@ def test_a_truncated_character_at_the_end_is_flushed_as_replacement(tokenizer: o
     for t in ids[:-1]:
         detok.add(t)
     assert detok.flush() == "\ufffd"
+
+
+def test_tool_markup_held_as_special_tokens_is_kept_other_specials_skipped(
+    tiny_model_dir: Path,
+) -> None:
+    from transformers import AutoTokenizer
+
+    from trio_mlx.tools.registry import MARKUP_TOKENS
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    text = '<|im_start|>[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}<|im_end|>'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("[TOOL_CALLS]") in ids
+    kept = decoder_for(tokenizer, keep=MARKUP_TOKENS)
+    assert kept(ids) == '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    assert decoder_for(tokenizer)(ids) == 'get_weather{"city": "Paris"}'
+    # A tokenizer with none of the markup as special tokens decodes as before.
+    plain = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain_ids = plain.encode("<|im_start|>hi<|im_end|>", add_special_tokens=False)
+    assert decoder_for(plain, keep=MARKUP_TOKENS)(plain_ids) == "hi"

@@ -30,6 +30,7 @@ import trio
 from trio_mlx import log_setup
 from trio_mlx.engine.cpu_path import CHOICES as CPU_WEIGHTS_CHOICES
 from trio_mlx.errors import TrioMLXError
+from trio_mlx.tools.registry import PARSER_CHOICES
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 #: Prefill chunk sizes: on a GPU, and on MLX's CPU backend (where 2,048 tokens take ~15 s and an
@@ -300,6 +301,14 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
         "/health and the chat page; env TRIO_MLX_API_KEY, which keeps it out of the process list "
         "(default: none, every route is open)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSER_CHOICES,
+        default="auto",
+        metavar="NAME",
+        help="how function calls are read from the model's replies: auto (from the chat "
+        f"template) or one of {', '.join(PARSER_CHOICES[1:])}",
     )
 
 

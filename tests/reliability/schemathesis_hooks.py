@@ -58,6 +58,10 @@ def depends_on_model_or_settings(response: Response) -> bool:
         return True
     if str(param).endswith(".reasoning_content") and "does not render reasoning" in message:
         return True
+    # `tool_choice` naming a function, or "required": which functions exist is the request's
+    # own `tools`, which a schema cannot tie it to.
+    if param == "tool_choice" and ("not among the tools" in message or "needs tools" in message):
+        return True
     return param in ("prompt", "logit_bias") and "vocabulary" in message
 
 

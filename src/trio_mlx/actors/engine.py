@@ -53,6 +53,7 @@ from trio_mlx.multimodal.prepare import MultimodalRequest, prepare_multimodal_ch
 from trio_mlx.preparation import PreparedRequest, ReasoningTags, RequestPreparer, SamplingOptions
 from trio_mlx.text.detokenizer import decoder_for
 from trio_mlx.text.reasoning import ReasoningSplitter
+from trio_mlx.tools.registry import MARKUP_TOKENS
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationOutput
 
 
@@ -73,7 +74,7 @@ class Engine:
         self._runner = runner
         self._admission = admission
         self._kv_cache = kv_cache
-        self._decode = decoder_for(info.tokenizer)
+        self._decode = decoder_for(info.tokenizer, keep=MARKUP_TOKENS)
         self._preparer = RequestPreparer(
             info.tokenizer,
             vocab_size=info.vocab_size,

@@ -7,6 +7,11 @@ delta and the `finish_reason`; with `stream_options.include_usage`, a chunk with
 the usage; then `data: [DONE]`, exactly once. A request that fails after the stream began ends
 with `data: {"error": ...}` and `data: [DONE]`.
 
+With tools (`http/tooling.py`), the reply's text goes through the model family's call reader:
+content stays `content` (text that may start call markup is held until it cannot), a call is
+sent as a `tool_calls` delta with its index, id, type and name, then as pieces of its
+`arguments`; the finish reason is `tool_calls` when the reply made calls.
+
 When the client goes away, the handler is cancelled and the generation is aborted at the runner's
 next step boundary; the admission slot is free at once.
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
@@ -42,10 +47,13 @@ from trio_mlx.http.objects import (
     ChatCompletionChunk,
     ChatDelta,
     ChoiceLogprobs,
+    FunctionCall,
+    MessageToolCall,
     Usage,
 )
 from trio_mlx.http.requests import ChatCompletionRequest, ChatMessage, ContentPart
 from trio_mlx.http.state import ServerState
+from trio_mlx.http.tooling import CallReader, chat_deltas, plan_tools
 from trio_mlx.types import GenerationOutput, TokenLogprob
 
 TEXT_PARTS = {"text", "input_text", "output_text"}
@@ -143,11 +151,16 @@ async def chat_completions(
     body.check_supported()
     engine, model = state.engine_for(body.model)
     record.model = model
-    messages = template_messages(body.messages)
-    tools = None
-    if body.tools and body.tool_choice != "none":
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    options = body.sampling_options()
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+    plan = plan_tools(
+        template_messages(body.messages),
+        tools or None,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        tokenizer=engine.tokenizer,
+        parser=state.settings.tool_call_parser,
+    )
+    options = body.sampling_options() | plan.options
     if body.logprobs:
         options["logprobs"] = True
         options["top_logprobs"] = body.top_logprobs or 0
@@ -155,16 +168,18 @@ async def chat_completions(
         options["thinking_token_budget"] = body.thinking_token_budget
     prepared = await prepare_async(
         lambda: engine.prepare_chat_async(
-            messages,
+            plan.messages,
             max_tokens=body.completion_limit,
-            tools=tools,
+            tools=plan.template_tools,
             chat_template_kwargs=body.chat_template_kwargs,
             **options,
         )
     )
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)
-    reply = _ChatReply(new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer))
+    reply = _ChatReply(
+        new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer), plan.reader()
+    )
     if body.stream:
         return reply.stream(active, record, include_usage=body.include_usage)
     final = await run_to_end(active, record)
@@ -175,11 +190,15 @@ async def chat_completions(
 class _ChatReply:
     """One chat completion's answer: its id, the whole body, or its SSE chunks."""
 
-    def __init__(self, id: str, created: int, model: str, text: TokenText) -> None:
+    def __init__(
+        self, id: str, created: int, model: str, text: TokenText, calls: CallReader | None = None
+    ) -> None:
         self.id = id
         self.created = created
         self.model = model
         self.text = text
+        #: Reads function calls out of the reply (None: the reply is all content).
+        self.calls = calls
         # A content chunk is the same bytes around its delta every time: encoded once here, so
         # that a token costs one `json.dumps` of its delta (`_delta_chunk`), not three models.
         head = json_bytes(
@@ -198,6 +217,21 @@ class _ChatReply:
         return self._delta_head + json_bytes(delta) + _DELTA_TAIL
 
     def completion(self, final: GenerationOutput, *, with_logprobs: bool) -> ChatCompletion:
+        content: str | None = final.text
+        reasoning = final.reasoning
+        tool_calls = None
+        if self.calls is not None:
+            parsed = self.calls.parse(final.text)
+            reasoning += parsed.reasoning
+            content = parsed.content
+            if parsed.calls:
+                content = content or None
+                tool_calls = [
+                    MessageToolCall(
+                        id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)
+                    )
+                    for c in parsed.calls
+                ]
         return ChatCompletion(
             id=self.id,
             created=self.created,
@@ -205,16 +239,23 @@ class _ChatReply:
             choices=[
                 ChatChoice(
                     message=AssistantMessage(
-                        content=final.text, reasoning_content=final.reasoning or None
+                        content=content, reasoning_content=reasoning or None, tool_calls=tool_calls
                     ),
                     logprobs=self.text.chat_logprobs(final.logprobs or [])
                     if with_logprobs
                     else None,
-                    finish_reason=openai_finish_reason(final),
+                    finish_reason=self._finish_reason(final),
                 )
             ],
             usage=Usage.of(final),
         )
+
+    def _finish_reason(self, final: GenerationOutput) -> Literal["stop", "length", "tool_calls"]:
+        """OpenAI's reason; "tool_calls" when the reply made calls (and was not cut short)."""
+        reason = openai_finish_reason(final)
+        if reason == "stop" and self.calls is not None and self.calls.calls:
+            return "tool_calls"
+        return reason
 
     def _chunk(
         self,
@@ -245,7 +286,11 @@ class _ChatReply:
                 last = out
                 if out.new_logprobs:
                     pending.extend(out.new_logprobs)
-                if out.new_text or out.new_reasoning:
+                if self.calls is not None:
+                    for chunk in self._call_chunks(out, pending, role_sent):
+                        role_sent = True
+                        yield chunk
+                elif out.new_text or out.new_reasoning:
                     logprobs = self._take(pending, out)
                     if logprobs is None:
                         yield self._delta_chunk(not role_sent, out.new_text, out.new_reasoning)
@@ -266,7 +311,7 @@ class _ChatReply:
                     return
                 if not role_sent:
                     yield self._chunk(ChatDelta(role="assistant", content=""))
-                reason = openai_finish_reason(out)
+                reason = self._finish_reason(out)
                 yield self._chunk(
                     ChatDelta(), logprobs=self._take(pending, out), finish_reason=reason
                 )
@@ -286,6 +331,28 @@ class _ChatReply:
         finally:
             active.close()
             record.finish(last)
+
+    def _call_chunks(
+        self, out: GenerationOutput, pending: list[TokenLogprob], role_sent: bool
+    ) -> list[bytes]:
+        """The chunks of one output when calls are read: its reasoning, then what the call
+        reader makes of its text (content, call starts, argument pieces); at the end, what the
+        reader held back. Pending logprobs ride on the first chunk."""
+        assert self.calls is not None
+        deltas = []
+        if out.new_reasoning:
+            deltas.append(ChatDelta(reasoning_content=out.new_reasoning))
+        events = self.calls.feed(out.new_text)
+        if out.finished and failure(out) is None:
+            events += self.calls.finish()
+        deltas += chat_deltas(events)
+        chunks = []
+        for delta in deltas:
+            if not role_sent:
+                delta.role = "assistant"
+                role_sent = True
+            chunks.append(self._chunk(delta, logprobs=self._take(pending, out)))
+        return chunks
 
     def _take(self, pending: list[TokenLogprob], out: GenerationOutput) -> ChoiceLogprobs | None:
         if out.logprobs is None or not pending:

@@ -85,10 +85,24 @@ class CompletionLogprobs(_Out):
 # ---- chat --------------------------------------------------------------------------------------
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Out):
+    """A call the assistant makes (`message.tool_calls[]`); `arguments` is JSON text."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
     def dump(self) -> dict[str, Any]:  # content is always present (null only when absent)
         out = super().dump()
@@ -111,11 +125,33 @@ class ChatCompletion(_Out):
     choices: list[ChatChoice]
     usage: Usage
 
+    def dump(self) -> dict[str, Any]:  # a message's content is always present (null with calls)
+        out = super().dump()
+        for choice in out["choices"]:
+            choice["message"].setdefault("content", None)
+        return out
+
+
+class FunctionCallDelta(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Out):
+    """A piece of a streamed call: the first carries `index`, `id`, `type` and the name (with
+    empty `arguments`); later ones the same `index` and the next piece of `arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
 
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Out):
@@ -177,6 +213,21 @@ class OutputMessage(_Out):
     content: list[OutputText]
 
 
+class FunctionCallItem(_Out):
+    """A call the model made (an output item; sent back later as an input item with its
+    `call_id` and then a `function_call_output`)."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
 class InputTokensDetails(_Out):
     cached_tokens: int = 0
 
@@ -203,7 +254,7 @@ class ResponseObject(_Out):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -211,9 +262,9 @@ class ResponseObject(_Out):
     incomplete_details: IncompleteDetails | None = None
     error: ErrorDetail | None = None
     usage: ResponseUsage | None = None
-    parallel_tool_calls: bool = False
-    tool_choice: str = "auto"
-    tools: list[Any] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)
     output_text: str | None = None
 
@@ -222,8 +273,10 @@ class ResponseStreamEvent(_Out):
     """One event of a streamed response (SSE `event:`/`data:` or one WebSocket message).
     `type` is `response.created`, `response.in_progress`, `response.output_item.added`,
     `response.content_part.added`, `response.output_text.delta`, `response.output_text.done`,
-    `response.content_part.done`, `response.output_item.done`, then `response.completed`,
-    `response.incomplete` or `response.failed`; or `error`."""
+    `response.content_part.done`, `response.output_item.done` (for a function call:
+    `response.output_item.added`, `response.function_call_arguments.delta`,
+    `response.function_call_arguments.done`, `response.output_item.done`), then
+    `response.completed`, `response.incomplete` or `response.failed`; or `error`."""
 
     type: str
     sequence_number: int
@@ -231,10 +284,12 @@ class ResponseStreamEvent(_Out):
     output_index: int | None = None
     content_index: int | None = None
     item_id: str | None = None
-    item: OutputMessage | None = None
+    item: OutputItem | None = None
     part: OutputText | None = None
     delta: str | None = None
     text: str | None = None
+    name: str | None = None
+    arguments: str | None = None
     logprobs: list[Any] | None = None
 
 

@@ -3,8 +3,7 @@
 Types and ranges that are plain facts about the field are checked here (a failure is a 400 whose
 `param` names the field); values that depend on the model (token ids, the context) are checked by
 the engine's `RequestPreparer`. Unknown fields are ignored, as the OpenAI API does. Fields that are
-accepted but only take one value here (`n`, `best_of`, `tool_choice` beyond "auto"/"none") are
-validated, never silently ignored.
+accepted but only take one value here (`n`, `best_of`) are validated, never silently ignored.
 """
 
 from __future__ import annotations
@@ -204,7 +203,36 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    # Checked in `http/tooling.py` (for its messages); the schema states the same.
+    tool_calls: Annotated[
+        list[dict[str, Any]] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "id": {"type": "string"},
+                                "type": {"const": "function"},
+                                "function": {
+                                    "type": "object",
+                                    "properties": {
+                                        "name": {"type": "string", "minLength": 1},
+                                        "arguments": {"type": "string"},
+                                    },
+                                    "required": ["name"],
+                                },
+                            },
+                            "required": ["function"],
+                        },
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -214,6 +242,21 @@ class FunctionDefinition(_Body):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+#: `tool_choice` naming one function (chat: under `function`; Responses: `name` itself).
+NAMED_FUNCTION_CHOICE = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}},
+            "required": ["name"],
+        },
+    },
+    "required": ["type", "function"],
+}
 
 
 class ChatTool(_Body):
@@ -248,9 +291,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None
     tools: list[ChatTool] | None = None
+    # Checked against `tools` in `http/tooling.py` (a named function must be one of them).
     tool_choice: Annotated[
-        Literal["none", "auto"] | dict[str, Any] | None,
-        WithJsonSchema({"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}]}),
+        Literal["none", "auto", "required"] | dict[str, Any] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"enum": ["none", "auto", "required"]},
+                    NAMED_FUNCTION_CHOICE,
+                    {"type": "null"},
+                ]
+            }
+        ),
     ] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -259,13 +311,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         _only_one_choice(self.n)
-        if isinstance(self.tool_choice, dict):
-            raise APIError(
-                400,
-                "tool_choice may be 'auto' or 'none' on this server",
-                param="tool_choice",
-                code="unsupported_value",
-            )
         if self.response_format is not None and self.response_format.type != "text":
             raise APIError(
                 400,
@@ -342,10 +387,81 @@ class CompletionRequest(SamplingFields):
 # ---- responses ---------------------------------------------------------------------------------
 
 
-class InputMessage(_Body):
-    type: Literal["message"] | None = "message"
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+class InputItem(_Body):
+    """An item of `input`: a message (`type` "message" or left out: `role` and `content`), a
+    call the assistant made earlier (`function_call`: `call_id`, `name`, `arguments`), or its
+    result (`function_call_output`: `call_id`, `output`). Which fields each needs is checked
+    where the items become a conversation (`responses.input_messages`); the schema states it."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {
+                        "properties": {"type": {"const": "function_call"}},
+                        "required": ["type"],
+                    },
+                    "then": {
+                        "properties": {
+                            "call_id": {"type": "string"},
+                            "name": {"type": "string"},
+                            "arguments": {"type": "string"},
+                        },
+                        "required": ["call_id", "name", "arguments"],
+                    },
+                },
+                {
+                    "if": {
+                        "properties": {"type": {"const": "function_call_output"}},
+                        "required": ["type"],
+                    },
+                    "then": {
+                        "properties": {
+                            "call_id": {"type": "string"},
+                            "output": {"type": ["string", "array"]},
+                        },
+                        "required": ["call_id", "output"],
+                    },
+                },
+                {
+                    "if": {
+                        "anyOf": [
+                            {"not": {"required": ["type"]}},
+                            {"properties": {"type": {"const": "message"}}},
+                        ]
+                    },
+                    "then": {
+                        "properties": {
+                            "role": {"enum": ["system", "developer", "user", "assistant"]},
+                            "content": {"type": ["string", "array"]},
+                        },
+                        "required": ["role", "content"],
+                    },
+                },
+            ]
+        }
+    )
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[ContentPart] | None = None
+    id: str | None = None
+    status: str | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ContentPart] | None = None
+
+
+class ResponseTool(_Body):
+    """A Responses tool: a function (its fields beside `type`, not under `function`). The
+    built-in tools (web search, file search, computer use, ...) are not served here."""
+
+    type: Annotated[Literal["function"], WithJsonSchema({"const": "function"})]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ResponseTextFormat(_Body):
@@ -361,17 +477,44 @@ class ResponseText(_Body):
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses (and a `response.create` message on its WebSocket)."""
 
-    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Positive | None = None
     previous_response_id: Annotated[str | None, ONLY_NULL] = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     text: ResponseText | None = None
-    tools: Annotated[
-        list[dict[str, Any]] | None,
-        WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}),
+    tools: list[ResponseTool] | None = None
+    # Checked against `tools` in `http/tooling.py` (a named function must be one of them).
+    tool_choice: Annotated[
+        Literal["none", "auto", "required"] | dict[str, Any] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"enum": ["none", "auto", "required"]},
+                    {
+                        "type": "object",
+                        "properties": {
+                            "type": {"const": "function"},
+                            "name": {"type": "string"},
+                        },
+                        "required": ["type", "name"],
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
     ] = None
+    parallel_tool_calls: bool | None = None
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The function tools in the chat shape (`{"type": "function", "function": {...}}`)."""
+        if not self.tools:
+            return None
+        return [
+            {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
+            for tool in self.tools
+        ]
 
     def check_supported(self) -> None:
         if self.previous_response_id is not None:
@@ -388,12 +531,5 @@ class ResponsesRequest(SamplingFields):
                 400,
                 f"text.format {fmt.type!r} is not supported on this server",
                 param="text.format",
-                code="unsupported_value",
-            )
-        if self.tools:
-            raise APIError(
-                400,
-                "tools are not supported on /v1/responses yet; use /v1/chat/completions",
-                param="tools",
                 code="unsupported_value",
             )

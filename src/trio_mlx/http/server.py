@@ -211,6 +211,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         api_key=getattr(args, "api_key", None) or None,
+        tool_call_parser=getattr(args, "tool_call_parser", "auto"),
         engine_options=engine_options,
     )
 

@@ -30,6 +30,9 @@ class ServerSettings:
     shutdown_timeout: float = 10.0
     #: When set, every route but /health and the chat page needs this key (`http/api_key.py`).
     api_key: str | None = None
+    #: How function calls are read from replies: "auto" (from the chat template) or a format
+    #: name of `trio_mlx.tools.PARSER_CHOICES`.
+    tool_call_parser: str = "auto"
     engine_options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -9,18 +9,22 @@ character) is held back until the tokens that complete it arrive.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 _REPLACEMENT = "\ufffd"
 
 
-def decoder_for(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+def decoder_for(tokenizer: Any, keep: Collection[str] = ()) -> Callable[[Sequence[int]], str]:
     """The fastest exact `ids -> text` function for a (possibly mlx-lm wrapped) HF tokenizer.
 
-    Special tokens are skipped, as OpenAI-compatible servers do.
+    Special tokens are skipped, as OpenAI-compatible servers do, except those whose text is in
+    `keep`: the markup of tool calls, which some families write as special tokens (Mistral's
+    `[TOOL_CALLS]`, Kimi's and gpt-oss's markers, Llama's `<|python_tag|>`) and which the call
+    parsers must see.
     """
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    dropped = _special_ids(hf, keep) if keep else None
     raw = getattr(hf, "_tokenizer", None)
     if (
         raw is not None
@@ -28,9 +32,35 @@ def decoder_for(tokenizer: Any) -> Callable[[Sequence[int]], str]:
         and not getattr(hf, "clean_up_tokenization_spaces", False)
     ):
         raw_decode = raw.decode
+        if dropped is not None:
+            return lambda ids: str(
+                raw_decode([i for i in ids if i not in dropped], skip_special_tokens=False)
+            )
         return lambda ids: str(raw_decode(list(ids), skip_special_tokens=True))
     hf_decode = hf.decode
+    if dropped is not None:
+        return lambda ids: str(
+            hf_decode([i for i in ids if i not in dropped], skip_special_tokens=False)
+        )
     return lambda ids: str(hf_decode(list(ids), skip_special_tokens=True))
+
+
+def _special_ids(hf: Any, keep: Collection[str]) -> frozenset[int] | None:
+    """The ids of special tokens to skip when those in `keep` are kept; None when the
+    tokenizer has none of `keep` as a special token (plain skipping then does the same)."""
+    special: dict[int, str] = {}
+    added = getattr(hf, "added_tokens_decoder", None)
+    if added is None and hasattr(hf, "get_added_tokens_decoder"):  # a `tokenizers.Tokenizer`
+        added = hf.get_added_tokens_decoder()
+    if isinstance(added, dict):
+        for token_id, token in added.items():
+            if getattr(token, "special", False):
+                special[int(token_id)] = str(getattr(token, "content", token))
+    for token_id in getattr(hf, "all_special_ids", None) or ():  # transformers' own list
+        special.setdefault(int(token_id), str(hf.convert_ids_to_tokens(int(token_id))))
+    if not any(text in keep for text in special.values()):
+        return None
+    return frozenset(i for i, text in special.items() if text not in keep)
 
 
 class IncrementalDetokenizer:
