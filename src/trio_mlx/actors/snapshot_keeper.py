@@ -21,14 +21,27 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
-from trio_mlx.engine.decode import ActiveSequence, GenerationJob
+from trio_mlx.engine.decode import GenerationJob
 from trio_mlx.engine.kv_snapshots import KVSnapshot, restore, snapshot, snapshot_prefix
 
 log = logging.getLogger(__name__)
+
+
+class SnapshotSource(Protocol):
+    """What `store` reads of a sequence (`decode.ActiveSequence` and the others like it): its
+    job, its live cache, and the tokens that cache holds."""
+
+    @property
+    def job(self) -> GenerationJob: ...
+
+    @property
+    def cache(self) -> list[Any]: ...
+
+    def fed_tokens(self) -> tuple[int, ...]: ...
 
 
 @dataclass
@@ -84,7 +97,7 @@ class SnapshotKeeper:
         manager.forget(hit.entry_id)
         return None, 0
 
-    def store(self, seq: ActiveSequence, kind: CacheKind, length: int | None = None) -> None:
+    def store(self, seq: SnapshotSource, kind: CacheKind, length: int | None = None) -> None:
         """Snapshot what `seq`'s cache holds now, or its first `length` tokens, and enter it in
         the book (at a step boundary)."""
         manager = self._book()
