@@ -318,3 +318,20 @@ def test_num_draft_tokens_must_be_positive(tiny_model_dir: Path) -> None:
 async def test_without_a_draft_the_stats_say_so(engine: trio_mlx.Engine) -> None:
     stats = engine.get_stats()
     assert stats["speculative"] is None and stats["acceptance_rate"] is None
+
+
+@ROUTES
+async def test_padded_attention_verification_gives_the_targets_greedy_output(
+    tiny_model_dir: Path, near_draft_dir: Path, max_num_seqs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA default (`padded_attention`), forced on here: same output, drafts kept and not."""
+    monkeypatch.setattr("trio_mlx.engine.speculative.padded_attention_default", lambda: True)
+    sampling = {"max_tokens": 32, "temperature": 0.0}
+    expected = await plain_outputs(tiny_model_dir, PROMPTS, **sampling)
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=max_num_seqs, draft_model=near_draft_dir
+    ) as engine:
+        outputs = [await engine.generate(p, **sampling) for p in PROMPTS]
+        stats = speculation(engine)
+    assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+    assert 0.0 < stats["acceptance_rate"] < 1.0

@@ -41,6 +41,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from trio_mlx.engine.loading import LoadedModel
+from trio_mlx.engine.padded_attention import padded_attention_default, padded_forward
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.errors import ModelLoadError
@@ -165,6 +166,7 @@ class Speculator:
         *,
         num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         catch_up_tokens: int = 2048,
+        pad_attention: bool | None = None,
     ) -> None:
         if num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
@@ -175,7 +177,14 @@ class Speculator:
         self.num_draft_tokens = num_draft_tokens
         self.catch_up_tokens = catch_up_tokens
         self._width = output_width(target)
+        #: multi-token passes attend over whole cache buffers (`padded_attention`): CUDA only
+        self.pad_attention = padded_attention_default() if pad_attention is None else pad_attention
         self.counters = SpeculationCounters()
+
+    def _forward(self, model: Any, tokens: Any, cache: list[Any]) -> Any:
+        if self.pad_attention:
+            return padded_forward(model, tokens, cache)
+        return model(tokens, cache=cache)
 
     def open_draft(self) -> DraftCache:
         """A fresh draft cache for a new sequence."""
@@ -207,7 +216,7 @@ class Speculator:
         lag = len(history) - draft.length
         if lag > self.catch_up_tokens:
             chunk = mx.array(list(history[draft.length : draft.length + self.catch_up_tokens]))
-            self._draft(chunk[None].astype(mx.uint32), cache=draft.cache)
+            self._forward(self._draft, chunk[None].astype(mx.uint32), draft.cache)
             mx.async_eval([c.state for c in draft.cache])
             draft.length += int(chunk.size)
             counters.catch_up_tokens += int(chunk.size)
@@ -224,9 +233,8 @@ class Speculator:
         if k:
             feed = mx.array([*history[draft.length :], pending], dtype=mx.uint32)
             for i in range(k):
-                logits = _fit_width(
-                    self._draft(feed[None], cache=draft.cache)[:, -1, :], self._width
-                )
+                out = self._forward(self._draft, feed[None], draft.cache)
+                logits = _fit_width(out[:, -1, :], self._width)
                 logits = selector.adjust(logits) if selector.adjusts_logits else logits
                 if greedy:
                     token = mx.argmax(logits, axis=-1)
@@ -242,7 +250,7 @@ class Speculator:
                 mx.async_eval(token)
             draft.length = len(history) + k  # history, pending, d_1 .. d_(k-1)
         verify = mx.concatenate([mx.array([pending], dtype=mx.uint32), *drafted])
-        raw = self._target(verify[None], cache=target_cache)[0]  # (k + 1, width)
+        raw = self._forward(self._target, verify[None], target_cache)[0]  # (k + 1, width)
         adjusted = _adjust_rows(selector, raw, states)
         selector.rewind(base)
         proposals = mx.concatenate(drafted) if drafted else None
