@@ -13,9 +13,12 @@ Greedy decoding, one request at a time, each variant interleaved with the others
   and one draft step: the cost structure that sets the speed-up; and the K+1-token pass at a key
   length one longer each time, as decoding sees them (`_new_length_ms`: on MLX's CUDA backend a
   new (query, key) length pair of a multi-token attention can cost a cuDNN graph build);
-- `engine`: the trio-mlx engine without a draft, with the draft, with the target drafting for
-  itself (acceptance 1, each drafted token costs a target step: the overhead's upper bound) and,
-  with `--oracle`, with the draft and a target wrapped so that it always agrees with the draft
+  `_padded_ms`: the same through `padded_attention` (the engine's way on CUDA);
+- `engine`: the trio-mlx engine (serialized route; `_batched`: the batched route, max_num_seqs
+  64, the GPU default, where the lone row speculates) without a draft, with the draft, with the
+  target drafting for itself (acceptance 1, each drafted token costs a target step: the
+  overhead's upper bound) and (unless `--no-oracle`) with the draft and a target wrapped so that
+  it always agrees with the draft
   (acceptance 1 at the draft's cost: the ceiling a perfect draft of that size reaches; the
   target's forward pass is the real one, a bias on the drafted token is added to its logits);
 - `raw`: mlx-lm's own `generate_step` and `speculative_generate_step` on the same models
@@ -42,6 +45,7 @@ import trio
 from bench.models import resolve_subject
 
 from trio_mlx.engine.loading import LoadedModel, load_model
+from trio_mlx.engine.padded_attention import padded_forward
 from trio_mlx.engine.prompt_cache import make_cache
 
 PROMPT = (
@@ -96,16 +100,19 @@ def verify_costs(target: Any, draft: Any, k: int, context: int, repeats: int) ->
         for layer in cache:
             layer.trim(n)
 
-    def growing_pass(model: Any, cache: list[Any], n: int) -> None:
+    def growing_pass(model: Any, cache: list[Any], n: int, padded: bool = False) -> None:
         # As in decoding: each verification sees a key length it has not seen before (on MLX's
         # CUDA backend a new attention shape may build a cuDNN graph).
-        mx.eval(model(mx.ones((1, n), dtype=mx.uint32), cache=cache))
+        tokens = mx.ones((1, n), dtype=mx.uint32)
+        mx.eval(padded_forward(model, tokens, cache) if padded else model(tokens, cache=cache))
         for layer in cache:
             layer.trim(n - 1)
 
     t_cache, d_cache = cache_of(target), cache_of(draft)
-    g_cache = cache_of(target)
+    g_cache, p_cache = cache_of(target), cache_of(target)
     out = {
+        f"target_{k + 1}_new_length_padded_ms": 1e3
+        * timed(lambda: growing_pass(target, p_cache, k + 1, True), repeats * 10),
         f"target_{k + 1}_new_length_ms": 1e3
         * timed(lambda: growing_pass(target, g_cache, k + 1), repeats * 10),
         "target_1_ms": 1e3 * timed(lambda: one_pass(target, t_cache, 1), repeats * 10),
@@ -129,14 +136,19 @@ def projection(costs: dict[str, float], k: int, rates: list[float]) -> dict[str,
 
 
 async def engine_decode(
-    target: LoadedModel, draft: LoadedModel | None, k: int, tokens: int, temperature: float
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    k: int,
+    tokens: int,
+    temperature: float,
+    max_num_seqs: int = 1,
 ) -> dict[str, float]:
     import trio_mlx
     from trio_mlx.config import SERVER_PROCESS_SETTINGS
 
     options: dict[str, Any] = {
         **SERVER_PROCESS_SETTINGS,
-        "max_num_seqs": 1,
+        "max_num_seqs": max_num_seqs,
         "cache_memory_bytes": 0,
     }
     if draft is not None:
@@ -208,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-raw", action="store_true", help="skip mlx-lm's own loops")
     parser.add_argument("--no-oracle", action="store_true", help="skip the agreeing target")
     parser.add_argument("--no-self", action="store_true", help="skip the self-draft")
+    parser.add_argument(
+        "--no-batched", action="store_true", help="skip the batched route (max_num_seqs 64)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -238,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             engine_decode, target, draft, k, args.tokens, args.temperature
         ),
     }
+    if not args.no_batched:  # the GPU default route: a lone row of the batch speculates
+        variants["engine_plain_batched"] = lambda: trio.run(
+            engine_decode, target, None, k, args.tokens, args.temperature, 64
+        )
+        variants["engine_draft_batched"] = lambda: trio.run(
+            engine_decode, target, draft, k, args.tokens, args.temperature, 64
+        )
     if not args.no_self:
         variants["engine_self_draft"] = lambda: trio.run(
             engine_decode, target, target, k, args.tokens, args.temperature
