@@ -180,8 +180,9 @@ async def test_a_different_draft_gives_the_targets_greedy_output(
         assert 0.0 < stats["acceptance_rate"] < 1.0
 
 
+@ROUTES
 async def test_penalties_bias_stop_strings_and_logprobs_match_plain_decoding(
-    tiny_model_dir: Path, near_draft_dir: Path
+    tiny_model_dir: Path, near_draft_dir: Path, max_num_seqs: int
 ) -> None:
     plain_text = (await plain_outputs(tiny_model_dir, PROMPTS[:1], max_tokens=30, temperature=0.0))[
         0
@@ -199,9 +200,11 @@ async def test_penalties_bias_stop_strings_and_logprobs_match_plain_decoding(
     }
     cases = [sampling, {"max_tokens": 30, "temperature": 0.0, "stop": [stop]}]
     for case in cases:
-        expected = await plain_outputs(tiny_model_dir, PROMPTS, **case)
-        async with trio_mlx.open_engine(tiny_model_dir, draft_model=near_draft_dir) as engine:
-            outputs = [await engine.generate(p, **case) for p in PROMPTS]
+        expected = await plain_outputs(tiny_model_dir, PROMPTS[:2], **case)
+        async with trio_mlx.open_engine(
+            tiny_model_dir, max_num_seqs=max_num_seqs, draft_model=near_draft_dir
+        ) as engine:
+            outputs = [await engine.generate(p, **case) for p in PROMPTS[:2]]
             assert speculation(engine)["accepted_tokens"] > 0
         for got, want in zip(outputs, expected, strict=True):
             assert got.tokens == want.tokens and got.text == want.text
