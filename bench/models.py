@@ -4,6 +4,8 @@
   (weights scaled up so that greedy choices are stable), context 8192 so 2k-token prompts fit;
 - `smollm2`: the bundled SmolLM2-135M-Instruct, converted by trio-mlx (the directory that
   `trio-mlx serve` with no model uses, under ~/.cache/trio-mlx/converted/);
+- `smollm2-fp16`, `smollm2-fp32`: the same weights dequantized (a dense target for which the
+  bundled 4-bit model is a real draft);
 - `synthetic:<shape>-<dtype>` and `synthetic:<shape>-q<bits>`: a random-weight llama of a real
   shape, e.g. `synthetic:llama-1b-bf16`, `synthetic:llama-8b-q4` (bfloat16 weights quantized to
   4 bits, group size 64). Throughput does not depend on weight values; report it as synthetic.
@@ -125,6 +127,31 @@ def build_llama(
     return out
 
 
+def build_dequantized(source: Path, out: Path, dtype: str) -> Path:
+    """A dense copy of the quantized mlx-lm model in `source` (its weights dequantized to
+    `dtype`, same tokenizer): a target for which the quantized original is a real draft."""
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model, load_model
+
+    model, config = load_model(source)
+    dequantize_model(model)
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
+    mx.eval(weights)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "partial.safetensors"), weights)
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    config["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    (out / "partial.safetensors").rename(out / "model.safetensors")
+    return out
+
+
 def _tokenizer_dir() -> Path | None:
     """Where to copy the tokenizer from instead of the bundled GGUF (for hosts without it)."""
     where = os.environ.get("TRIO_MLX_BENCH_TOKENIZER")
@@ -146,6 +173,12 @@ def resolve_subject(spec: str, workdir: Path) -> Subject:
 
         path = resolve_model_path(None).path
         return Subject(spec, path, "SmolLM2-135M-Instruct Q4_1 (bundled GGUF, converted)", False)
+    if spec in ("smollm2-fp16", "smollm2-fp32"):
+        from trio_mlx.engine.model_spec import resolve_model_path
+
+        dtype = {"smollm2-fp16": "float16", "smollm2-fp32": "float32"}[spec]
+        path = build_dequantized(resolve_model_path(None).path, workdir / spec, dtype)
+        return Subject(spec, path, f"SmolLM2-135M-Instruct Q4_1 dequantized to {dtype}", False)
     if spec.startswith("synthetic:"):
         name = spec.split(":", 1)[1]
         shape, _, kind = name.rpartition("-")

@@ -48,3 +48,36 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0, **overrides: object) -> Pa
     mx.save_safetensors(str(out_dir / "model.safetensors"), params)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def build_perturbed_copy(source: Path, out_dir: Path, *, noise: float, seed: int = 1) -> Path:
+    """A copy of the model in `source` (same config and tokenizer) with every weight matrix
+    perturbed by Gaussian noise of `noise` times its own standard deviation: a draft model that
+    agrees with its source on most tokens but not all."""
+    import shutil
+
+    shutil.copytree(source, out_dir)
+    weights = mx.load(str(source / "model.safetensors"))
+    assert isinstance(weights, dict)
+    key = mx.random.key(seed)
+    perturbed = {}
+    for name, value in sorted(weights.items()):
+        if value.ndim == 2:
+            key, sub = mx.random.split(key)
+            value = value + noise * mx.std(value) * mx.random.normal(value.shape, key=sub)
+        perturbed[name] = value
+    mx.save_safetensors(str(out_dir / "model.safetensors"), perturbed)
+    return out_dir
+
+
+def build_other_tokenizer_copy(source: Path, out_dir: Path) -> Path:
+    """A copy of the model in `source` whose tokenizer gives two tokens each other's ids."""
+    import shutil
+
+    shutil.copytree(source, out_dir)
+    path = out_dir / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["t"], vocab["u"] = vocab["u"], vocab["t"]
+    path.write_text(json.dumps(tokenizer))
+    return out_dir

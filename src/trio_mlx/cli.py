@@ -247,6 +247,18 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens a request's KV cache keeps, in a rotating cache (default: unbounded)",
     )
     parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="a smaller model with the same tokenizer that drafts tokens for the target to verify "
+        "(speculative decoding; lossless; only while one request decodes; not with --max-kv-size)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=4,
+        help="tokens the draft model proposes per step (default: 4)",
+    )
+    parser.add_argument(
         "--cache-memory-mb",
         type=float,
         default=None,

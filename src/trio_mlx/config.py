@@ -59,6 +59,11 @@ class EngineConfig:
       (`multimodal.media.MediaPolicy`: local files only under `allowed_local_dir`, private and
       loopback URLs only with `allow_private_urls`, size, time and redirect limits, the number
       of media, video frame sampling).
+    - `draft_model`: a smaller model with the same tokenizer (any spec `model` takes) that drafts
+      `num_draft_tokens` tokens per step for the target to verify in one forward pass
+      (speculative decoding, lossless: `engine/speculative.py`). On the batched route it drafts
+      only while one sequence decodes. Cannot be combined with `max_kv_size` (a rotating cache
+      cannot be cut back after a refused draft). None: no draft.
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):
@@ -88,6 +93,8 @@ class EngineConfig:
     cuda_sdpa_graph_cache: int | None = None
     force_mllm: bool = False
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    draft_model: str | Path | None = None
+    num_draft_tokens: int = 4
 
     @property
     def admission_mode(self) -> AdmissionMode:
@@ -128,5 +135,12 @@ class EngineConfig:
             raise ValueError("prefill_chunk_seconds must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.num_draft_tokens < 1:
+            raise ValueError("num_draft_tokens must be >= 1")
+        if self.draft_model is not None and self.max_kv_size is not None:
+            raise ValueError(
+                "draft_model cannot be combined with max_kv_size: speculative decoding cuts the "
+                "KV cache back after refused drafts, which a rotating cache cannot do"
+            )
         if self.admission == "wait" and self.max_waiting == 0:
             raise ValueError("admission='wait' needs max_waiting > 0")

@@ -4,7 +4,9 @@ The loop, top to bottom, once per step while anything is live:
 1. apply the commands queued since the last step (`_apply`): a new job starts prefilling from its
    restored prefix, an abort takes its sequence out (a row leaves the batch at the next step);
 2. one decode step over every row of the batch (`BatchDecoder.decode`): its tokens and finishes
-   go to Trio at once, then the finished sequences' snapshots are taken;
+   go to Trio at once, then the finished sequences' snapshots are taken. With a draft model, a
+   batch of one row takes a speculative step instead (`BatchDecoder.speculate`: several tokens
+   for that row); as soon as a second row joins, the batch decodes without the draft again;
 3. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
    measured time, held to a couple of decode steps while rows decode, so a long prompt arriving
    does not stall the streams already decoding, more when many wait beside a small batch), its
@@ -72,7 +74,11 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         stores: _Stores = []
         rows = batch.decoding
         if rows or batch.rows:
-            for result in batch.decode():
+            # A lone row speculates with the draft; several decode together without it.
+            speculator = runner.speculator if batch.can_speculate() else None
+            solo = speculator is not None
+            step = batch.decode() if speculator is None else batch.speculate(speculator)
+            for result in step:
                 events.append(
                     _row_event(
                         result.seq, result.tokens, result.finish, result.error, result.logprobs
@@ -84,7 +90,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                     log.error("request %d failed: %s", result.seq.request_id, result.error)
                 elif result.finish is not None:
                     stores.append((result.seq, "conversation", None))
-            if rows:
+            if rows and not solo:
                 pacer.observe_decode(time.perf_counter() - began)
                 counters.decode_steps += 1
                 counters.batch_sizes[rows] = counters.batch_sizes.get(rows, 0) + 1

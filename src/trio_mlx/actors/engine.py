@@ -545,11 +545,22 @@ class Engine:
         return freed
 
     def get_stats(self) -> dict[str, Any]:
-        """A snapshot of the engine: admission, the runner's counters, finished requests, and
-        the prefix cache under `"cache"` (see `get_cache_stats`)."""
+        """A snapshot of the engine: admission, the runner's counters, finished requests, the
+        prefix cache under `"cache"` (see `get_cache_stats`), and speculative decoding under
+        `"speculative"` (None without a draft model: `speculative_steps`, `drafted_tokens`,
+        `accepted_tokens`, `acceptance_rate`, `tokens_per_step` per verification, `plain_steps`,
+        `catch_up_tokens`), its `acceptance_rate` also at the top level."""
         admission = self._admission.book.statistics()
         counters = self._runner.counters
         last = self._last
+        speculator = self._runner.speculator
+        speculation = None
+        if speculator is not None:
+            speculation = {
+                "draft_model": str(self.config.draft_model),
+                "num_draft_tokens": speculator.num_draft_tokens,
+                **speculator.counters.statistics(),
+            }
         return {
             "model_name": self.model_name,
             "alive": self.is_alive,
@@ -594,6 +605,8 @@ class Engine:
             "cache": self.get_cache_stats(),
             "vision_cache": self._runner.vision_cache.statistics(),
             "multimodal": self.info.multimodal is not None,
+            "acceptance_rate": None if speculation is None else speculation["acceptance_rate"],
+            "speculative": speculation,
             "last_request": None
             if last is None
             else {

@@ -58,6 +58,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +80,17 @@ from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
+from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator, check_draft
+from trio_mlx.engine.speculative_sequence import SpeculativeSequence
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
 from trio_mlx.multimodal.vision import VisionFeatureCache
 from trio_mlx.types import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+#: What the serialized route steps: a text sequence, one with a draft, or one with media.
+LiveSequence = ActiveSequence | SpeculativeSequence | MultimodalSequence
 
 ModelLoader = Callable[[str | Path | None], LoadedModel]
 
@@ -175,8 +181,14 @@ class Runner:
         max_num_seqs: int = 1,
         prefill_chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
         loader: ModelLoader = load_model,
+        draft_model: str | Path | None = None,
+        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     ) -> None:
         self._model_spec = model
+        self._draft_spec = draft_model
+        self._num_draft_tokens = num_draft_tokens
+        #: draft-model speculative decoding (`engine/speculative.py`), when a draft is configured
+        self.speculator: Speculator | None = None
         self.max_num_seqs = max_num_seqs
         self._chunk_seconds = prefill_chunk_seconds
         self.pacer = PrefillPacer(prefill_step_size, target_seconds=prefill_chunk_seconds)
@@ -359,6 +371,10 @@ class Runner:
         import mlx.core as mx
 
         loaded = self._loader(self._model_spec)
+        draft = None
+        if self._draft_spec is not None:
+            draft = self._loader(self._draft_spec)
+            check_draft(loaded, draft, self._max_kv_size)
         self._loaded.set()
         if self._stop.is_set():  # cancelled while loading: nobody waits for this model
             return
@@ -381,6 +397,16 @@ class Runner:
         )
         multimodal = loaded.multimodal is not None
         self.batching = self.max_num_seqs > 1 and mergeable and not multimodal
+        if draft is not None:
+            self.speculator = Speculator(
+                loaded.model,
+                draft.model,
+                num_draft_tokens=self._num_draft_tokens,
+                catch_up_tokens=self._prefill_plan.step,
+            )
+            log.info(
+                "speculative decoding with %s, %d draft tokens", draft.name, self._num_draft_tokens
+            )
         if self.max_num_seqs > 1 and not mergeable:
             log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
         elif self.max_num_seqs > 1 and multimodal:
@@ -416,7 +442,7 @@ class Runner:
 
     def _serve_serialized(self, loaded: LoadedModel) -> None:
         """The serialized route: each live sequence steps on its own (`ActiveSequence`)."""
-        live: dict[int, ActiveSequence | MultimodalSequence] = {}
+        live: dict[int, LiveSequence] = {}
         counters = self.counters
         pacer = self.pacer
         while True:
@@ -478,7 +504,7 @@ class Runner:
             counters.busy_seconds += time.perf_counter() - began
 
     def _take_commands(
-        self, live: dict[int, ActiveSequence | MultimodalSequence], loaded: LoadedModel
+        self, live: dict[int, LiveSequence], loaded: LoadedModel
     ) -> list[SequenceEvent]:
         """Apply every queued command; return the events they cause (a job that cannot start)."""
         events: list[SequenceEvent] = []
@@ -509,7 +535,14 @@ class Runner:
                     self.counters.started += 1
                     continue
                 cache, cached_tokens = self._snapshots.restore_for(job, plan.block)
-                live[job.request_id] = ActiveSequence(
+                # A processor's state cannot be rewound: such requests decode without the draft.
+                speculator = self.speculator if not job.logits_processors else None
+                make = (
+                    ActiveSequence
+                    if speculator is None
+                    else partial(SpeculativeSequence, speculator)
+                )
+                live[job.request_id] = make(
                     job,
                     loaded.model,
                     loaded.eos_token_ids,

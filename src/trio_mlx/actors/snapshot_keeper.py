@@ -31,9 +31,9 @@ from trio_mlx.engine.kv_snapshots import KVSnapshot, restore, snapshot, snapshot
 log = logging.getLogger(__name__)
 
 
-class CachedSequence(Protocol):
-    """What `store` needs of a sequence (`decode.ActiveSequence`,
-    `multimodal.job.MultimodalSequence`): its job, its live cache and the tokens it holds."""
+class SnapshotSource(Protocol):
+    """What `store` reads of a sequence (`decode.ActiveSequence` and the others like it): its
+    job, its live cache, and the tokens that cache holds."""
 
     @property
     def job(self) -> GenerationJob: ...
@@ -97,7 +97,7 @@ class SnapshotKeeper:
         manager.forget(hit.entry_id)
         return None, 0
 
-    def store(self, seq: CachedSequence, kind: CacheKind, length: int | None = None) -> None:
+    def store(self, seq: SnapshotSource, kind: CacheKind, length: int | None = None) -> None:
         """Snapshot what `seq`'s cache holds now, or its first `length` tokens, and enter it in
         the book (at a step boundary)."""
         manager = self._book()

@@ -67,6 +67,8 @@ async def _serve(
         max_num_seqs=max_num_seqs,
         prefill_chunk_seconds=cfg.prefill_chunk_seconds,
         loader=loader,
+        draft_model=cfg.draft_model,
+        num_draft_tokens=cfg.num_draft_tokens,
     )
     book = AdmissionBook(slots=max_num_seqs, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
     admission = AdmissionController(book, max_wait=cfg.max_wait)

@@ -50,6 +50,7 @@ from trio_mlx.engine.decode import (
 )
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
+from trio_mlx.engine.speculative import Speculator
 from trio_mlx.types import TokenLogprob
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
@@ -115,6 +116,11 @@ class BatchSequence:
         self.processors: list[LogitsProcessor] = list(job.logits_processors)
         self.history: Any = mx.array(job.prompt_tokens, dtype=mx.int32) if self.processors else None
         self.fed_generated: list[int] = []
+        #: the row's next input when it is not yet fed (after a speculative step, or a step read
+        #: without a next one queued: `BatchDecoder.speculate`); the next queued step feeds it
+        self.pending: int | None = None
+        #: the draft model's cache, once this sequence has speculated (`speculative.py`)
+        self.draft: Any = None
         self.generated = 0
         self.finished = False
         #: leaves the batch at the next step (finished, aborted or failed)
@@ -302,6 +308,9 @@ class BatchDecoder:
         rows = list(self.rows)
         for seq in rows:
             seq.prompt_done = len(seq.job.prompt_tokens)
+            if seq.pending is not None:
+                seq.fed_generated.append(seq.pending)
+                seq.pending = None
         logits = self._model(self._inputs[:, None], cache=self._cache)[:, -1, :]
         tokens, logprobs = self._choose(rows, logits)
         self._inputs = tokens
@@ -358,7 +367,9 @@ class BatchDecoder:
                 self._bias = mx.stack([zeros if b is None else b for b in biases])
         return self._bias
 
-    def _read(self, queued: _Queued) -> list[RowResult]:
+    def _read(self, queued: _Queued, *, fed: bool = True) -> list[RowResult]:
+        """The tokens of a queued step; `fed`: the step after it is queued already (so they
+        are in the cache), else each row's token is its `pending` input."""
         mx.eval(queued.tokens)
         values = queued.tokens.tolist()
         results: list[RowResult] = []
@@ -366,7 +377,10 @@ class BatchDecoder:
             if seq.removed:
                 continue  # aborted since: nothing more to say
             token = int(values[i])
-            seq.fed_generated.append(token)
+            if fed:
+                seq.fed_generated.append(token)
+            else:
+                seq.pending = token
             if seq.failure is not None:
                 seq.removed = True
                 results.append(RowResult(seq, finish="error", error=seq.failure))
@@ -391,6 +405,61 @@ class BatchDecoder:
                 seq.finished = seq.removed = True
                 seq.cache = self._extract(self.rows.index(seq))
             results.append(RowResult(seq, tokens, finish, logprobs))
+        return results
+
+    # ---- speculation for a lone row ------------------------------------------------------------
+
+    def can_speculate(self) -> bool:
+        """One row decodes, without logits processors, past its first token (in flight or
+        read): `speculate` may replace `decode`."""
+        rows = [s for s in self.rows if not s.removed]
+        if len(rows) != 1 or rows[0].processors:
+            return False
+        return self._queued is not None or rows[0].pending is not None
+
+    def speculate(self, speculator: Speculator) -> list[RowResult]:
+        """One speculative step (`Speculator.step`) for the batch's only row, instead of
+        `decode`: first the step already queued is read (without queuing another), then the
+        draft proposes and the target verifies on the batch's own cache. The row may emit several
+        tokens; its cache then holds `fed_tokens()` and its next input is `pending`, so a plain
+        `decode` (another row joined) carries on from there."""
+        self._drop_removed()
+        results: list[RowResult] = []
+        if self._queued is not None:
+            try:
+                results = self._read(self._queued, fed=False)
+            except Exception as exc:
+                return self._fail_batch(exc)
+            self._queued = None
+        live = [s for s in self.rows if not s.removed]
+        if len(live) != 1 or live[0].pending is None:
+            return results
+        seq = live[0]
+        pending = live[0].pending
+        try:
+            if seq.draft is None:
+                seq.draft = speculator.open_draft()
+            out = speculator.step(
+                self._cache,
+                seq.draft,
+                seq.fed_tokens(),
+                pending,
+                seq.selector,
+                seq.job.params,
+                self._eos,
+                seq.generated,
+            )
+        except Exception as exc:
+            return results + self._fail_batch(exc)
+        seq.fed_generated.extend(out.fed)
+        seq.pending = out.pending
+        seq.generated += len(out.tokens)
+        if out.pending is not None:
+            self._inputs = mx.array([out.pending], dtype=mx.uint32)
+        if out.finish is not None:
+            seq.finished = seq.removed = True
+            seq.cache = self._extract(self.rows.index(seq))
+        results.append(RowResult(seq, out.tokens, out.finish, out.logprobs))
         return results
 
     def _extract(self, row: int) -> list[Any]:

@@ -120,6 +120,45 @@ class TokenSelector:
         if self._counts is not None:
             self._counts = self._counts.at[token].add(1.0)
 
+    # ---- for speculative decoding (`speculative.py`): the same choice, spelled out --------------
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the choice is the argmax of the adjusted logits."""
+        return self._key is None
+
+    def next_key(self) -> Any:
+        """This sequence's PRNG key for one step (split off as `choose` does). Sampled only."""
+        if self._key is None:
+            raise ValueError("a greedy selector has no PRNG key")
+        key, self._key = mx.random.split(self._key)
+        return key
+
+    def distribution(self, logits: Any) -> Any:
+        """The probabilities `choose` draws from, for adjusted logits of shape (n, width):
+        temperature, then top-k, top-p and min-p, row by row (float32). Sampled only."""
+        return mx.softmax(self._filter(logits.astype(mx.float32) / self.params.temperature), -1)
+
+    def fit_width(self, width: int) -> None:
+        """Widen the bias and penalty arrays to logits of `width` entries now (as `adjust` does
+        on first sight of them), so that `checkpoint`s taken afterwards all have that width."""
+        if width != self._vocab and self.adjusts_logits:
+            self._widen(width)
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether `adjust` depends on the tokens generated so far (repetition, presence or
+        frequency penalty)."""
+        return self._seen is not None or self._counts is not None
+
+    def checkpoint(self) -> tuple[Any, Any]:
+        """The penalty state, to `rewind` to (MLX arrays are immutable: this is a reference)."""
+        return self._seen, self._counts
+
+    def rewind(self, state: tuple[Any, Any]) -> None:
+        """Put back a penalty state taken by `checkpoint` (drafted tokens that were refused)."""
+        self._seen, self._counts = state
+
     def _filter(self, logits: Any) -> Any:
         params = self.params
         if params.top_k and params.top_k < logits.shape[-1]:

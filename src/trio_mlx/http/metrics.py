@@ -185,6 +185,28 @@ class Metrics:
                 "Memory of the live sequences' KV caches.",
                 [sample("kv_cache_bytes", runner.get("kv_bytes", 0))],
             )
+            speculative = stats.get("speculative")
+            if speculative:
+                for name, key, help in (
+                    ("spec_decode_num_drafts_total", "speculative_steps", "Verification passes."),
+                    (
+                        "spec_decode_num_draft_tokens_total",
+                        "drafted_tokens",
+                        "Tokens proposed by the draft model.",
+                    ),
+                    (
+                        "spec_decode_num_accepted_tokens_total",
+                        "accepted_tokens",
+                        "Drafted tokens the target kept.",
+                    ),
+                ):
+                    metric(name, "counter", help, [sample(name, speculative.get(key, 0))])
+                metric(
+                    "spec_decode_acceptance_rate",
+                    "gauge",
+                    "Accepted over drafted tokens since the engine started.",
+                    [sample("spec_decode_acceptance_rate", speculative.get("acceptance_rate", 0))],
+                )
             metric(
                 "kv_reserved_bytes",
                 "gauge",

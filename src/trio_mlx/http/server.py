@@ -197,6 +197,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     }
     engine_options["force_mllm"] = bool(getattr(args, "mllm", False))
     engine_options["media"] = media_policy_from_args(args)
+    draft = getattr(args, "draft_model", None)
+    if draft:
+        engine_options["draft_model"] = Path(draft) if Path(draft).exists() else draft
+        engine_options["num_draft_tokens"] = args.num_draft_tokens
     kv_mb = getattr(args, "kv_memory_mb", None)
     if kv_mb is not None:
         engine_options["kv_memory_bytes"] = int(kv_mb * 1024 * 1024)
@@ -238,6 +242,9 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     check_listen(settings.host, settings.port)
     check_model(settings.model)
+    draft = settings.engine_options.get("draft_model")
+    if isinstance(draft, str | Path):
+        check_model(draft)
     return trio.run(_serve_until_signalled, settings)
 
 

@@ -1,0 +1,98 @@
+"""Short multi-token forward passes whose attention sees a key length that rarely changes.
+Runner thread only.
+
+On MLX's CUDA backend a multi-token attention goes to cuDNN, which builds a graph for every new
+(query length, key length) pair (50-150 ms each on the H200, `mlx_cuda.py`). Decoding one token
+is spared (MLX passes cuDNN the cache's whole buffer with a padding mask), but a speculative
+verification of K+1 tokens, at a key length one step longer each time, would build a graph every
+step. `padded_forward` runs such a pass with the attention over the cache's whole buffer (whose
+size changes only when the cache grows, by 256 positions) and an additive mask that hides the
+positions past each query: the same attention, and one graph per buffer size.
+
+It wraps each layer of a plain `KVCache` or a `BatchKVCache` in a view for that one call; any
+other cache (rotating, quantized, recurrent) runs the ordinary pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+def padded_attention_default() -> bool:
+    """On by default where it pays: MLX's CUDA backend."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def padded_forward(model: Any, tokens: Any, cache: list[Any]) -> Any:
+    """`model(tokens, cache=cache)` (tokens of shape (B, N)), with every attention over the
+    cache's whole buffer (see the module). The cache is updated exactly as by the plain call."""
+    n = int(tokens.shape[1])
+    views = _views(cache, n) if n > 1 else None
+    return model(tokens, cache=cache if views is None else views)
+
+
+def _write_index(layer: Any) -> int:
+    return int(layer._idx) if type(layer) is BatchKVCache else int(layer.offset)
+
+
+def _views(cache: list[Any], n: int) -> list[Any] | None:
+    if not cache or any(type(c) not in (KVCache, BatchKVCache) or c.keys is None for c in cache):
+        return None
+    start = _write_index(cache[0])
+    if any(_write_index(c) != start for c in cache):
+        return None
+    for layer in cache:
+        _reserve(layer, start + n)
+    width = int(cache[0].keys.shape[2])
+    if any(int(c.keys.shape[2]) != width for c in cache):
+        return None
+    columns = mx.arange(width)[None, :]
+    rows = mx.arange(start, start + n)[:, None]
+    visible = rows >= columns  # (n, width): causal, and nothing past the last query
+    first = cache[0]
+    if type(first) is BatchKVCache:
+        visible = visible[None, None] & (first.left_padding[:, None, None, None] <= columns)
+    dtype = first.keys.dtype
+    mask = mx.where(visible, mx.array(0.0, dtype=dtype), mx.array(float("-inf"), dtype=dtype))
+    return [_PaddedView(layer, width, mask) for layer in cache]
+
+
+def _reserve(layer: Any, needed: int) -> None:
+    """Grow the layer's buffers (in its own steps) so the call will not grow them."""
+    have = int(layer.keys.shape[2])
+    if needed <= have:
+        return
+    step = int(layer.step)
+    grow = -(-(needed - have) // step) * step
+    b, h, _, dk = layer.keys.shape
+    dv = layer.values.shape[3]
+    layer.keys = mx.concatenate([layer.keys, mx.zeros((b, h, grow, dk), layer.keys.dtype)], 2)
+    layer.values = mx.concatenate([layer.values, mx.zeros((b, h, grow, dv), layer.values.dtype)], 2)
+
+
+class _PaddedView:
+    """One layer's cache for one call: RoPE offsets and writes as the layer's own; the attention
+    gets the whole buffer and `mask`."""
+
+    def __init__(self, layer: Any, width: int, mask: Any) -> None:
+        self._layer = layer
+        self._width = width
+        self._mask = mask
+
+    @property
+    def offset(self) -> Any:
+        return self._layer.offset
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        self._layer.update_and_fetch(keys, values)
+        layer = self._layer
+        return layer.keys[..., : self._width, :], layer.values[..., : self._width, :]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> Any:
+        return self._mask
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
