@@ -275,6 +275,7 @@ class Engine:
                     store_points=self._kv_cache.store_points(
                         len(request.prompt_tokens), request.system_prefix
                     ),
+                    grammar=request.grammar,
                 ),
                 sink,
             )
