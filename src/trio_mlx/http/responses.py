@@ -36,6 +36,7 @@ from trio_mlx.http.objects import (
 )
 from trio_mlx.http.requests import ChatMessage, ResponsesRequest
 from trio_mlx.http.state import ServerState
+from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.types import GenerationOutput
 
 
@@ -69,6 +70,9 @@ async def start_response(
     record.model = model
     messages = input_messages(body)
     options = body.sampling_options()
+    output_format = responses_output_format(body.text.format if body.text else None)
+    if output_format is not None:
+        options["output_format"] = output_format
     prepared = await prepare_async(
         lambda: engine.prepare_chat_async(messages, max_tokens=body.max_output_tokens, **options)
     )

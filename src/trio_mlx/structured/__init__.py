@@ -13,6 +13,7 @@ from trio_mlx.structured.compiler import (
     CompiledGrammar,
     GrammarCacheInfo,
     GrammarCompiler,
+    OutputFormatError,
 )
 from trio_mlx.structured.formats import OutputFormat
 from trio_mlx.structured.matcher import (
@@ -30,6 +31,7 @@ __all__ = [
     "GrammarMatcher",
     "GrammarViolation",
     "OutputFormat",
+    "OutputFormatError",
     "allowed_words_of",
     "apply_token_mask",
     "forced_tool_calls_format",

@@ -38,6 +38,12 @@ JSON_OPTIONS: dict[str, Any] = {
 }
 
 
+class OutputFormatError(InvalidRequest):
+    """An output format the grammar library cannot compile (or enforce for this tokenizer)."""
+
+    code = "invalid_output_format"
+
+
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A format compiled for one tokenizer. Immutable and shared by every request using it."""
@@ -92,9 +98,9 @@ class GrammarCompiler:
 
     def compile(self, fmt: OutputFormat) -> CompiledGrammar:
         """The compiled grammar of `fmt` (from the cache when it was compiled before).
-        `InvalidRequest` naming `fmt.param` when it cannot be compiled (bad schema, regex or
-        grammar; keywords a strict schema uses that cannot be enforced; a tokenizer the grammar
-        library cannot read)."""
+        `OutputFormatError` (an `InvalidRequest`) naming `fmt.param` when it cannot be compiled
+        (bad schema, regex or grammar; keywords a strict schema uses that cannot be enforced; a
+        tokenizer the grammar library cannot read)."""
         with self._lock:
             hit = self._cache.get(fmt)
             if hit is not None:
@@ -123,7 +129,7 @@ class GrammarCompiler:
             try:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=self._eos)
             except Exception as exc:
-                raise InvalidRequest(
+                raise OutputFormatError(
                     "structured output needs a fast (Rust) Hugging Face tokenizer, which this "
                     f"model does not have ({type(exc).__name__}: {exc})",
                     param=param,
@@ -143,7 +149,7 @@ def _grammar_text(fmt: OutputFormat) -> str:
                 fmt.schema or {}, defaults=options
             )
         except ValueError as exc:
-            raise InvalidRequest(f"invalid JSON schema: {exc}", param=fmt.param) from exc
+            raise OutputFormatError(f"invalid JSON schema: {exc}", param=fmt.param) from exc
         return text
     if fmt.kind == "regex":
         return str(llguidance.LLMatcher.grammar_from_regex(fmt.source))
@@ -165,14 +171,14 @@ def _compile(fmt: OutputFormat, ll_tokenizer: Any) -> CompiledGrammar:
     what = _WHAT[fmt.kind]
     template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
     if template.is_error():
-        raise InvalidRequest(
+        raise OutputFormatError(
             f"the {what} cannot be enforced: {_first_line(template.get_error())}", param=fmt.param
         )
     words = (int(ll_tokenizer.vocab_size) + 31) // 32
     first = np.frombuffer(template.compute_bitmask(), dtype=np.uint32)
     if template.is_error() or not first.any():
         reason = _first_line(template.get_error()) or "no output satisfies it"
-        raise InvalidRequest(f"the {what} cannot be enforced: {reason}", param=fmt.param)
+        raise OutputFormatError(f"the {what} cannot be enforced: {reason}", param=fmt.param)
     template.reset()
     return CompiledGrammar(fmt, template, words)
 
