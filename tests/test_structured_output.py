@@ -123,6 +123,36 @@ async def test_two_constrained_requests_in_one_batch_each_equal_itself_alone(
     assert got[1].text in ("yes", "no", "yes indeed", "no indeed")
 
 
+async def test_greedy_constrained_rows_chosen_together_equal_each_alone(
+    tiny_model_dir: Path,
+) -> None:
+    other = OutputFormat.json_schema({"type": "array", "items": {"type": "integer"}, "maxItems": 4})
+    jobs: list[dict[str, Any]] = [
+        {"output_format": FORMAT, "logprobs": True, "top_logprobs": 3},
+        {"output_format": other},
+        {"output_format": FORMAT},
+        {},  # a plain row beside them
+    ]
+    base = {"max_tokens": 120, "temperature": 0.0}
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
+        expected = [await engine.generate(PROMPTS[i], **base, **jobs[i]) for i in range(4)]
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        got: dict[int, Any] = {}
+
+        async def run(i: int) -> None:
+            got[i] = await engine.generate(PROMPTS[i], **base, **jobs[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(run, i)
+    for i in range(4):
+        assert got[i].tokens == expected[i].tokens
+    assert got[0].logprobs is not None and expected[0].logprobs is not None
+    assert [lp.top for lp in got[0].logprobs] == [lp.top for lp in expected[0].logprobs]
+    assert_valid(got[2].text)
+    assert isinstance(json.loads(got[1].text), list)
+
+
 @ROUTES
 async def test_logprobs_are_the_models_own_before_the_mask(
     tiny_model_dir: Path, max_num_seqs: int

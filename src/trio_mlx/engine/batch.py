@@ -327,6 +327,9 @@ class BatchDecoder:
         for seq in rows:
             seq.prompt_done = len(seq.job.prompt_tokens)
         logits = self._model(self._inputs[:, None], cache=self._cache)[:, -1, :]
+        self.steps += 1
+        if self.steps % 256 == 0:
+            mx.clear_cache()
         if any(seq.grammar is not None for seq in rows):
             pieces, logprobs = self._choose_pieces(rows, logits, skip_constrained=True)
             ready = [p for p in pieces if p is not None]
@@ -335,9 +338,6 @@ class BatchDecoder:
         tokens, logprobs = self._choose(rows, logits)
         self._inputs = tokens
         mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
-        self.steps += 1
-        if self.steps % 256 == 0:
-            mx.clear_cache()
         return _Queued(rows, tokens, logprobs)
 
     def _choose(self, rows: list[BatchSequence], logits: Any) -> tuple[Any, dict[int, Any]]:
@@ -394,20 +394,29 @@ class BatchDecoder:
 
     def _choose_constrained(self, queued: _Queued) -> None:
         """Choose the constrained rows' tokens of `queued` (its forward pass already on the
-        device, the previous step read) and queue the step's tokens as the next inputs."""
+        device, the previous step read) and queue the step's tokens as the next inputs.
+
+        Their masks are computed together (in parallel); rows that are greedy with nothing else
+        to apply are chosen by one masked argmax, the others each on their own row."""
         pieces = queued.pieces
         assert pieces is not None
         waiting = [i for i, p in enumerate(pieces) if p is None and not queued.rows[i].removed]
-        words: Any = None
+        masks: dict[int, Any] = {}
         if waiting:
             matchers = [queued.rows[i].grammar for i in waiting]
             try:
                 words = allowed_words_of(matchers)  # type: ignore[arg-type]
+                masks = {i: words[j : j + 1] for j, i in enumerate(waiting)}
             except GrammarViolation:
-                words = None  # each row finds its own failure below
-        for j, i in enumerate(waiting):
+                pass  # each row finds its own failure below
+        simple = [i for i in waiting if i in masks and _greedy_alone(queued.rows[i])]
+        if len(simple) > 1:
+            self._choose_greedy_masked(queued, simple, masks)
+        for i in waiting:
+            if pieces[i] is not None:
+                continue
             seq = queued.rows[i]
-            row_words = words[j : j + 1] if words is not None else None
+            row_words = masks.get(i)
             if row_words is None:
                 assert seq.grammar is not None
                 try:
@@ -425,8 +434,27 @@ class BatchDecoder:
         queued.tokens = tokens
         queued.logits = queued.pieces = None
         self._inputs = tokens
-        lazy = [a for i in waiting if i in queued.logprobs for a in queued.logprobs[i].arrays()]
-        mx.async_eval(tokens, *lazy)
+        mx.async_eval(tokens, *(a for p in queued.logprobs.values() for a in p.arrays()))
+
+    def _choose_greedy_masked(
+        self, queued: _Queued, rows: list[int], masks: dict[int, Any]
+    ) -> None:
+        """One masked argmax for the constrained `rows` of `queued` (greedy, nothing else)."""
+        import numpy as np
+
+        pieces = queued.pieces
+        assert pieces is not None
+        words = np.concatenate([masks[i] for i in rows])
+        masked = apply_token_mask(queued.logits[mx.array(rows)], words)
+        chosen = mx.argmax(masked, -1).astype(mx.uint32)
+        for k, i in enumerate(rows):
+            token = chosen[k : k + 1]
+            pieces[i] = token
+            params = queued.rows[i].job.params
+            if params.logprobs:
+                raw = queued.logits[i : i + 1]
+                picked, ids, values = logprob_arrays(raw, token, params.top_logprobs)
+                queued.logprobs[i] = PendingToken(token, picked, ids, values)
 
     def _sample(self, seq: BatchSequence, raw: Any, words: Any = None) -> Any:
         logits = raw
@@ -571,3 +599,8 @@ class BatchDecoder:
             self._inputs = mx.concatenate([self._inputs, last])
         self.rows.extend(joiners)
         return len(joiners)
+
+
+def _greedy_alone(seq: BatchSequence) -> bool:
+    """Greedy with no processor, penalty or bias: only its grammar's mask shapes its choice."""
+    return not seq.processors and seq.selector.batch_greedy and seq.selector.bias is None

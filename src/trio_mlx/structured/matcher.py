@@ -1,9 +1,10 @@
 """One request's position in its grammar, and the token masks it gives. Runner thread only.
 
 A mask is computed on the CPU (llguidance writes a bitmask, one bit a token, into a numpy array)
-and applied to the logits on the device: the 32-bit words go over as one small array (6 KiB for
-a 49k vocabulary) and are unpacked and applied there with plain MLX operations (shift, and,
-`where`), so the same code runs on the CPU, CUDA and Metal backends.
+and applied to the logits on the device: on a GPU the 32-bit words go over as one small array
+(6 KiB for a 49k vocabulary) and are unpacked there with plain MLX operations (shift, and); on
+MLX's CPU backend numpy unpacks them; either way an MLX `where` applies them, so the same code
+runs on the CPU, CUDA and Metal backends.
 
 Vocabulary sizes: the mask covers the tokenizer's vocabulary; a model whose output layer is
 wider (embedding rows padded past the tokenizer's ids) has the extra entries masked out, and one
@@ -92,8 +93,15 @@ def token_mask(words: np.ndarray[Any, np.dtype[np.uint32]], width: int) -> Any:
     import mlx.core as mx
 
     rows = words.shape[0]
-    bits = (mx.array(words)[..., None] >> mx.array(_SHIFTS)) & 1
-    allowed = bits.reshape(rows, -1).astype(mx.bool_)
+    if mx.default_device() == mx.cpu:
+        # On the CPU backend numpy's unpacking is cheaper than four MLX operations (~240 µs
+        # against ~300 µs for 49k tokens on a loaded 2-core machine), and nothing is copied
+        # to another device.
+        unpacked = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")
+        allowed = mx.array(unpacked.astype(np.bool_))
+    else:
+        bits = (mx.array(words)[..., None] >> mx.array(_SHIFTS)) & 1
+        allowed = bits.reshape(rows, -1).astype(mx.bool_)
     have = allowed.shape[-1]
     if have > width:
         return allowed[:, :width]
