@@ -33,17 +33,28 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 
 
+def _needs_when_json_schema(field: str) -> dict[str, Any]:
+    """The published schema's statement that a `json_schema` format needs `field` (refused
+    here when it is missing), so that a client generated from the document sends it."""
+    return {
+        "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+        "then": {"required": [field], "properties": {field: {"type": "object"}}},
+    }
+
+
 class JSONSchemaFormat(_Body):
     """Chat's `response_format.json_schema`."""
 
     name: SCHEMA_NAME
     description: str | None = None
-    schema_: SchemaObject | None = Field(default=None, alias="schema")
+    schema_: SchemaObject = Field(alias="schema")
     strict: bool | None = None
 
 
 class ResponseFormat(_Body):
     """Chat completions' `response_format`."""
+
+    model_config = ConfigDict(json_schema_extra=_needs_when_json_schema("json_schema"))
 
     type: FormatType
     json_schema: JSONSchemaFormat | None = None
@@ -51,6 +62,8 @@ class ResponseFormat(_Body):
 
 class ResponseTextFormat(_Body):
     """The Responses API's `text.format`."""
+
+    model_config = ConfigDict(json_schema_extra=_needs_when_json_schema("schema"))
 
     type: FormatType = "text"
     name: SCHEMA_NAME | None = None
@@ -67,10 +80,10 @@ def chat_output_format(fmt: ResponseFormat | None) -> OutputFormat | None:
     if fmt.type == "json_object":
         return OutputFormat.json_object(param=param)
     spec = fmt.json_schema
-    if spec is None or spec.schema_ is None:
+    if spec is None:
         raise APIError(
             400,
-            'response_format of type "json_schema" needs json_schema.schema',
+            'response_format of type "json_schema" needs json_schema',
             param=param,
             code="missing_required_parameter",
         )
