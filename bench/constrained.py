@@ -20,7 +20,8 @@ see bench/models.py; synthetic models carry the SmolLM2 tokenizer, 49,152 tokens
     python -m bench.constrained --model synthetic:llama-1b-bf16 --repeats 5 \\
         --out docs/benchmarks/2026-12-04-h200-constrained-llama-1b-bf16
 
-Writes OUT.json (every row, the machine, versions, the command) and OUT.md (the table).
+Writes OUT.json (every row, the machine, versions, the command) and OUT.md (the table);
+`--render OUT.json` writes the table again from an earlier run.
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ def render(report: dict[str, Any]) -> str:
         f"| masked choice, evaluated alone (unpack + where + argmax) | {masked_us:.1f} µs |",
         f"| plain argmax, evaluated alone | {plain_us:.1f} µs |",
         f"| host work a token (mask + consume) / plain step "
-        f"| {host_us / 1e3 / step_ms * 100:.1f} % |",
+        f"| {host_us / 1e3 / step_ms * 100:.2f} % |",
         "",
         "Grammar compile, 20-field schema (median of "
         f"{len(comp['llguidance_compile_ms'])}): llguidance "
@@ -354,8 +355,15 @@ if __name__ == "__main__":
     parser.add_argument("--outlines", action="store_true", help="also time outlines-core's index")
     parser.add_argument("--outlines-path", default=None, help="a directory holding outlines_core")
     parser.add_argument("--workdir", default="/tmp/trio-mlx-bench")
-    parser.add_argument("--out", required=True, help="OUT.json and OUT.md are written")
+    parser.add_argument("--out", help="OUT.json and OUT.md are written")
+    parser.add_argument("--render", help="only write the .md of this earlier run's .json")
     parsed = parser.parse_args()
+    if parsed.render:
+        source = Path(parsed.render)
+        source.with_suffix(".md").write_text(render(json.loads(source.read_text())) + "\n")
+        sys.exit(0)
+    if not parsed.out:
+        parser.error("--out is required")
     if parsed.outlines_path:
         sys.path.insert(0, parsed.outlines_path)
     trio.run(main, parsed)
