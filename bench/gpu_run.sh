@@ -44,6 +44,7 @@ PINS=(
   typing-extensions==4.16.0
   openai==3.57.0 jiter==0.19.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 idna==3.20
   anyio==4.16.0
+  llguidance==1.9.1
 )
 
 # vllm-mlx 0.6.0 and what its server imports, as in the CPU runs' venv (docs/benchmarks/README.md).

@@ -21,6 +21,7 @@ from trio_mlx.errors import (
     TrioMLXError,
 )
 from trio_mlx.preparation import PreparedRequest, SamplingOptions
+from trio_mlx.structured import OutputFormat
 from trio_mlx.types import GenerationOutput, SamplingParams, TokenLogprob
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "InvalidRequest",
     "LogitsProcessor",
     "ModelLoadError",
+    "OutputFormat",
     "PreparedRequest",
     "PromptTooLong",
     "RequestStream",

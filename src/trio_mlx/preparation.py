@@ -32,6 +32,8 @@ from trio_mlx.engine.prompts import (
 )
 from trio_mlx.engine.thinking import ThinkingBudget
 from trio_mlx.errors import InvalidRequest, PromptTooLong
+from trio_mlx.structured.compiler import CompiledGrammar, GrammarCompiler
+from trio_mlx.structured.formats import OutputFormat
 from trio_mlx.types import SamplingParams
 
 DEFAULT_THINK_TAGS = ("<think>", "</think>")
@@ -44,6 +46,9 @@ class SamplingOptions(TypedDict, total=False):
     protocol; an `is_retired` attribute lets one drop out). `reasoning`: separate `<think>…`
     into `GenerationOutput.reasoning` (None: when the tokenizer has thinking tags).
     `thinking_token_budget`: at most this many thinking tokens, then the think-end is forced.
+    `output_format`: constrain the output to a JSON schema, any JSON object, a regex or a Lark
+    grammar (`trio_mlx.structured.OutputFormat`); compiled while the request is prepared (an
+    uncompilable one is an `InvalidRequest` naming the format's `param`).
     """
 
     seed: int | None
@@ -58,6 +63,7 @@ class SamplingOptions(TypedDict, total=False):
     logits_processors: Sequence[LogitsProcessor]
     reasoning: bool | None
     thinking_token_budget: int | None
+    output_format: OutputFormat | None
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,8 @@ class PreparedRequest:
     Logits processors carry state: prepare a request again rather than running it twice.
     `system_prefix`: how many leading prompt tokens render the chat's system prompt (a prefix
     cache point; set by the engine when its prefix cache is on).
+    `grammar`: the compiled output format (immutable, shared; each run of the request gets its
+    own matcher on the runner thread), None when unconstrained.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -84,6 +92,7 @@ class PreparedRequest:
     logits_processors: tuple[LogitsProcessor, ...] = ()
     reasoning: ReasoningTags | None = None
     system_prefix: int | None = None
+    grammar: CompiledGrammar | None = None
 
 
 class RequestPreparer:
@@ -105,6 +114,8 @@ class RequestPreparer:
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
         self.longest_token_chars = longest_token_chars(tokenizer)
+        #: output formats compiled for this tokenizer (cached)
+        self.grammars = GrammarCompiler(tokenizer)
         self._lock = threading.Lock()
 
     def check_text_length(self, chars: int, param: str) -> None:
@@ -256,7 +267,17 @@ class RequestPreparer:
             params=params,
             logits_processors=tuple(processors),
             reasoning=reasoning,
+            grammar=self._grammar(options.get("output_format")),
         )
+
+    def _grammar(self, fmt: OutputFormat | None) -> CompiledGrammar | None:
+        if fmt is None:
+            return None
+        if not isinstance(fmt, OutputFormat):
+            raise InvalidRequest(
+                "output_format must be a trio_mlx.structured.OutputFormat", param="output_format"
+            )
+        return self.grammars.compile(fmt)
 
     def _max_tokens(self, max_tokens: int | None) -> int:
         limit = self.max_tokens_limit

@@ -8,7 +8,10 @@ on the server's settings, which a static document cannot state:
 - `max_tokens` (or `max_completion_tokens`, `max_output_tokens`) above the server's
   `--max-tokens` (TRIO_MLX_ST_MAX_TOKENS here);
 - token ids (`prompt`, `logit_bias` keys) outside the model's vocabulary;
-- an earlier turn's `reasoning_content` that the model's chat template does not render.
+- an earlier turn's `reasoning_content` that the model's chat template does not render;
+- a JSON schema (`response_format`, `text.format`) that the grammar library cannot compile
+  (code `invalid_output_format`): which schemas it can enforce is the library's, not the
+  document's.
 
 Each of them is a 400 whose `param` names the field and whose message says which limit (under
 /v1/messages, Anthropic's error shape: the field leads the message); any other refusal of valid
@@ -61,6 +64,8 @@ def depends_on_model_or_settings(response: Response) -> bool:
     # `tool_choice` naming a function, or "required": which functions exist is the request's
     # own `tools`, which a schema cannot tie it to.
     if param == "tool_choice" and ("not among the tools" in message or "needs tools" in message):
+        return True
+    if param in ("response_format", "text.format") and code == "invalid_output_format":
         return True
     return param in ("prompt", "logit_bias") and "vocabulary" in message
 

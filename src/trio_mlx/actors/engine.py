@@ -349,6 +349,7 @@ class Engine:
                     request.logits_processors,
                     vision=request.vision,
                     cache_key=request.cache_key,
+                    grammar=request.grammar,
                 )
             else:
                 job = GenerationJob(
@@ -359,6 +360,7 @@ class Engine:
                     store_points=self._kv_cache.store_points(
                         len(request.prompt_tokens), request.system_prefix
                     ),
+                    grammar=request.grammar,
                 )
             self._runner.submit(job, sink)
         except BaseException:

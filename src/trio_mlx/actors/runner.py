@@ -535,8 +535,10 @@ class Runner:
                     self.counters.started += 1
                     continue
                 cache, cached_tokens = self._snapshots.restore_for(job, plan.block)
-                # A processor's state cannot be rewound: such requests decode without the draft.
-                speculator = self.speculator if not job.logits_processors else None
+                # A processor's or a grammar's state cannot be rewound: such requests decode
+                # without the draft.
+                rewindable = not job.logits_processors and job.grammar is None
+                speculator = self.speculator if rewindable else None
                 make = (
                     ActiveSequence
                     if speculator is None

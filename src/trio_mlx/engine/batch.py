@@ -22,6 +22,15 @@ whatever its companions), its logits processors called on its own row of logits 
 until they retire, its logprobs, its EOS set and `max_tokens`. Rows that are greedy without
 processors or penalties (logit bias allowed) are chosen by one batched argmax.
 
+Constrained rows (a job with a `grammar`: each row its own `GrammarMatcher`): a row's mask for
+step k depends on its token of step k - 1, which is read only after step k's forward pass has been
+queued. So `decode()` queues step k's forward pass with every unconstrained row's choice (the
+batched argmax for plain rows, unchanged), reads step k - 1 (advancing each constrained row's
+matcher with its token), then computes the constrained rows' masks on the CPU (in parallel,
+while the device runs the forward pass) and queues their masked choices, and the next step's
+inputs, behind it. Unconstrained rows never wait for a mask; a constrained row's token that
+completes its grammar ends it (`stop`) at once.
+
 Token accounting: at every call boundary a row's cache holds `fed_tokens()`: the prompt tokens
 processed and the generated tokens read so far (each token read has already been fed to the step
 queued before it was read, so an EOS and the last token of a `max_tokens` finish are fed, which
@@ -51,6 +60,7 @@ from trio_mlx.engine.decode import (
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.engine.speculative import Speculator
+from trio_mlx.structured.matcher import GrammarViolation, allowed_words_of, apply_token_mask
 from trio_mlx.types import TokenLogprob
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
@@ -114,6 +124,7 @@ class BatchSequence:
         self.prompt_done = cached_tokens
         self.selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
         self.processors: list[LogitsProcessor] = list(job.logits_processors)
+        self.grammar = job.grammar.matcher() if job.grammar is not None else None
         self.history: Any = mx.array(job.prompt_tokens, dtype=mx.int32) if self.processors else None
         self.fed_generated: list[int] = []
         #: the row's next input when it is not yet fed (after a speculative step, or a step read
@@ -139,8 +150,9 @@ class BatchSequence:
 
     @property
     def plain(self) -> bool:
-        """Greedy, no processors, no penalties: chosen by the batch's argmax (bias allowed)."""
-        return not self.processors and self.selector.batch_greedy
+        """Greedy, no processors, no penalties, no grammar: chosen by the batch's argmax (bias
+        allowed)."""
+        return not self.processors and self.grammar is None and self.selector.batch_greedy
 
     def fed_tokens(self) -> tuple[int, ...]:
         """The tokens this sequence's cache holds at a call boundary, in order."""
@@ -198,16 +210,26 @@ class PrefillResult:
 
 
 class _Queued:
-    """A queued decode step: its rows (in row order) and their lazy outputs."""
+    """A queued decode step: its rows (in row order) and their lazy outputs. While constrained
+    rows wait for their masks, `tokens` is None and `pieces` holds every other row's token
+    (None for the constrained ones), `logits` the step's logits."""
 
-    __slots__ = ("logprobs", "rows", "tokens")
+    __slots__ = ("logits", "logprobs", "pieces", "rows", "tokens")
 
     def __init__(
-        self, rows: list[BatchSequence], tokens: Any, logprobs: dict[int, PendingToken]
+        self,
+        rows: list[BatchSequence],
+        tokens: Any,
+        logprobs: dict[int, PendingToken],
+        *,
+        logits: Any = None,
+        pieces: list[Any] | None = None,
     ) -> None:
         self.rows = rows
         self.tokens = tokens
         self.logprobs = logprobs
+        self.logits = logits
+        self.pieces = pieces
 
 
 class BatchDecoder:
@@ -299,6 +321,8 @@ class BatchDecoder:
         try:
             queued = self._queue_step() if self.rows else None
             results = self._read(self._queued) if self._queued is not None else []
+            if queued is not None and queued.tokens is None:
+                self._choose_constrained(queued)
         except Exception as exc:
             return self._fail_batch(exc)
         self._queued = queued
@@ -312,12 +336,17 @@ class BatchDecoder:
                 seq.fed_generated.append(seq.pending)
                 seq.pending = None
         logits = self._model(self._inputs[:, None], cache=self._cache)[:, -1, :]
-        tokens, logprobs = self._choose(rows, logits)
-        self._inputs = tokens
-        mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
         self.steps += 1
         if self.steps % 256 == 0:
             mx.clear_cache()
+        if any(seq.grammar is not None for seq in rows):
+            pieces, logprobs = self._choose_pieces(rows, logits, skip_constrained=True)
+            ready = [p for p in pieces if p is not None]
+            mx.async_eval(logits, *ready, *(a for p in logprobs.values() for a in p.arrays()))
+            return _Queued(rows, None, logprobs, logits=logits, pieces=pieces)
+        tokens, logprobs = self._choose(rows, logits)
+        self._inputs = tokens
+        mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
         return _Queued(rows, tokens, logprobs)
 
     def _choose(self, rows: list[BatchSequence], logits: Any) -> tuple[Any, dict[int, Any]]:
@@ -328,27 +357,122 @@ class BatchDecoder:
             greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
         if all(s.plain and not s.job.params.logprobs for s in rows):
             return greedy, {}
+        pieces, logprobs = self._choose_pieces(rows, logits, greedy=greedy)
+        return mx.concatenate(pieces), logprobs
+
+    def _choose_pieces(
+        self,
+        rows: list[BatchSequence],
+        logits: Any,
+        *,
+        greedy: Any = None,
+        skip_constrained: bool = False,
+    ) -> tuple[list[Any], dict[int, Any]]:
+        """Each row's token (shape (1,), lazy; None for a constrained row when
+        `skip_constrained`) and the rows' logprob arrays."""
+        if greedy is None and any(s.plain for s in rows):
+            bias = self._bias_matrix(rows, logits.shape[-1])
+            greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
         pieces: list[Any] = []
         logprobs: dict[int, Any] = {}
         for i, seq in enumerate(rows):
-            raw = logits[i : i + 1]
-            try:
-                token = greedy[i : i + 1] if seq.plain else self._sample(seq, raw)
-                if seq.job.params.logprobs:
-                    chosen, ids, values = logprob_arrays(raw, token, seq.job.params.top_logprobs)
-                    logprobs[i] = PendingToken(token, chosen, ids, values)
-            except Exception as exc:
-                seq.failure = f"{type(exc).__name__}: {exc}"
-                token = mx.argmax(raw, -1)
-            pieces.append(token.astype(mx.uint32))
-        return mx.concatenate(pieces), logprobs
+            if skip_constrained and seq.grammar is not None:
+                pieces.append(None)
+                continue
+            pieces.append(self._choose_row(i, seq, logits[i : i + 1], greedy, logprobs))
+        return pieces, logprobs
 
-    def _sample(self, seq: BatchSequence, raw: Any) -> Any:
+    def _choose_row(
+        self,
+        i: int,
+        seq: BatchSequence,
+        raw: Any,
+        greedy: Any,
+        logprobs: dict[int, Any],
+        words: Any = None,
+    ) -> Any:
+        try:
+            token = greedy[i : i + 1] if seq.plain else self._sample(seq, raw, words)
+            if seq.job.params.logprobs:
+                chosen, ids, values = logprob_arrays(raw, token, seq.job.params.top_logprobs)
+                logprobs[i] = PendingToken(token, chosen, ids, values)
+        except Exception as exc:
+            seq.failure = f"{type(exc).__name__}: {exc}"
+            token = mx.argmax(raw, -1)
+        return token.astype(mx.uint32)
+
+    def _choose_constrained(self, queued: _Queued) -> None:
+        """Choose the constrained rows' tokens of `queued` (its forward pass already on the
+        device, the previous step read) and queue the step's tokens as the next inputs.
+
+        Their masks are computed together (in parallel); rows that are greedy with nothing else
+        to apply are chosen by one masked argmax, the others each on their own row."""
+        pieces = queued.pieces
+        assert pieces is not None
+        waiting = [i for i, p in enumerate(pieces) if p is None and not queued.rows[i].removed]
+        masks: dict[int, Any] = {}
+        if waiting:
+            matchers = [queued.rows[i].grammar for i in waiting]
+            try:
+                words = allowed_words_of(matchers)  # type: ignore[arg-type]
+                masks = {i: words[j : j + 1] for j, i in enumerate(waiting)}
+            except GrammarViolation:
+                pass  # each row finds its own failure below
+        simple = [i for i in waiting if i in masks and _greedy_alone(queued.rows[i])]
+        if len(simple) > 1:
+            self._choose_greedy_masked(queued, simple, masks)
+        for i in waiting:
+            if pieces[i] is not None:
+                continue
+            seq = queued.rows[i]
+            row_words = masks.get(i)
+            if row_words is None:
+                assert seq.grammar is not None
+                try:
+                    row_words = seq.grammar.allowed_words()[None]
+                except GrammarViolation as exc:
+                    seq.failure = f"{type(exc).__name__}: {exc}"
+                    pieces[i] = mx.zeros((1,), dtype=mx.uint32)
+                    continue
+            raw = queued.logits[i : i + 1]
+            pieces[i] = self._choose_row(i, seq, raw, None, queued.logprobs, row_words)
+        for i, piece in enumerate(pieces):
+            if piece is None:  # left since (finished or aborted): its token is never read
+                pieces[i] = mx.zeros((1,), dtype=mx.uint32)
+        tokens = mx.concatenate(pieces)
+        queued.tokens = tokens
+        queued.logits = queued.pieces = None
+        self._inputs = tokens
+        mx.async_eval(tokens, *(a for p in queued.logprobs.values() for a in p.arrays()))
+
+    def _choose_greedy_masked(
+        self, queued: _Queued, rows: list[int], masks: dict[int, Any]
+    ) -> None:
+        """One masked argmax for the constrained `rows` of `queued` (greedy, nothing else)."""
+        import numpy as np
+
+        pieces = queued.pieces
+        assert pieces is not None
+        words = np.concatenate([masks[i] for i in rows])
+        masked = apply_token_mask(queued.logits[mx.array(rows)], words)
+        chosen = mx.argmax(masked, -1).astype(mx.uint32)
+        for k, i in enumerate(rows):
+            token = chosen[k : k + 1]
+            pieces[i] = token
+            params = queued.rows[i].job.params
+            if params.logprobs:
+                raw = queued.logits[i : i + 1]
+                picked, ids, values = logprob_arrays(raw, token, params.top_logprobs)
+                queued.logprobs[i] = PendingToken(token, picked, ids, values)
+
+    def _sample(self, seq: BatchSequence, raw: Any, words: Any = None) -> Any:
         logits = raw
         for processor in seq.processors:
             logits = processor(seq.history, logits)
         if seq.selector.adjusts_logits:
             logits = seq.selector.adjust(logits)
+        if words is not None:
+            logits = apply_token_mask(logits, words)
         token = seq.selector.choose(logits)
         if seq.processors:
             seq.history = mx.concatenate([seq.history, token.astype(mx.int32)])
@@ -397,9 +521,18 @@ class BatchDecoder:
                 finish = "stop"
                 logprobs = ()
             else:
+                if seq.grammar is not None:
+                    try:
+                        seq.grammar.consume(token)
+                    except GrammarViolation as exc:
+                        seq.removed = True
+                        results.append(RowResult(seq, finish="error", error=str(exc)))
+                        continue
                 seq.generated += 1
                 tokens = (token,)
-                if seq.generated >= seq.job.params.max_tokens:
+                if seq.grammar is not None and seq.grammar.done:
+                    finish = "stop"
+                elif seq.generated >= seq.job.params.max_tokens:
                     finish = "length"
             if finish is not None:
                 seq.finished = seq.removed = True
@@ -410,10 +543,10 @@ class BatchDecoder:
     # ---- speculation for a lone row ------------------------------------------------------------
 
     def can_speculate(self) -> bool:
-        """One row decodes, without logits processors, past its first token (in flight or
-        read): `speculate` may replace `decode`."""
+        """One row decodes, without logits processors or a grammar, past its first token (in
+        flight or read): `speculate` may replace `decode`."""
         rows = [s for s in self.rows if not s.removed]
-        if len(rows) != 1 or rows[0].processors:
+        if len(rows) != 1 or rows[0].processors or rows[0].grammar is not None:
             return False
         return self._queued is not None or rows[0].pending is not None
 
@@ -535,3 +668,8 @@ class BatchDecoder:
             self._inputs = mx.concatenate([self._inputs, last])
         self.rows.extend(joiners)
         return len(joiners)
+
+
+def _greedy_alone(seq: BatchSequence) -> bool:
+    """Greedy with no processor, penalty or bias: only its grammar's mask shapes its choice."""
+    return not seq.processors and seq.selector.batch_greedy and seq.selector.bias is None

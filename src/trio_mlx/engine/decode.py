@@ -17,6 +17,14 @@ the CPU backend). While logits processors are active, steps run one at a time (a
 every token before it shapes the next); once every retiring processor has retired, pipelining
 resumes.
 
+Constrained decoding (a job with a `grammar`): the sequence owns a `GrammarMatcher`. Each decode
+step still queues the next forward pass before reading the current token (so the device never
+waits for the host to build the model's graph); then the token is read, the matcher advanced
+with it, the next mask computed on the CPU while the device runs that forward pass, and only the
+token choice, masked, waits for it. A token that completes the grammar ends the sequence
+(`finish="stop"`) at once; a grammar that is complete but could go on allows the EOS tokens.
+Logprobs are the model's own, before the mask (as before any bias or penalty).
+
 Prefix caching: a sequence may start from a restored cache that already holds the first
 `cached_tokens` prompt tokens (it then prefills only the rest). Each step reports the job's
 `store_points` its prefill reached, so that the runner can snapshot the cache there: with
@@ -46,6 +54,8 @@ import mlx.core as mx
 
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
+from trio_mlx.structured.compiler import CompiledGrammar
+from trio_mlx.structured.matcher import apply_token_mask
 from trio_mlx.types import SamplingParams, TokenLogprob
 
 #: On a GPU, a prompt tail this short goes through the model together with the last prompt token
@@ -137,6 +147,8 @@ class GenerationJob:
     that cannot be cut afterwards (`ActiveSequence(split_at_store_points=True)`); otherwise they
     run past them and the runner snapshots the prefix. Only points past the restored
     `cached_tokens` and in `1..len(prompt_tokens) - 1` are used.
+    `grammar`: the output format the tokens must follow (each sequence run from the job makes
+    its own matcher), None for none.
     """
 
     request_id: int
@@ -144,6 +156,7 @@ class GenerationJob:
     params: SamplingParams
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
     store_points: tuple[int, ...] = ()
+    grammar: CompiledGrammar | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -228,6 +241,7 @@ class ActiveSequence:
         self._fed_generated: list[int] = []  # generated tokens that went through the model
         self._selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
         self._processors: list[LogitsProcessor] = list(job.logits_processors)
+        self._grammar = job.grammar.matcher() if job.grammar is not None else None
         self._history: Any = (
             mx.array(job.prompt_tokens, dtype=mx.int32) if self._processors else None
         )
@@ -311,13 +325,25 @@ class ActiveSequence:
         return self._decode_one(prefilled=0)
 
     def _forward(self, tokens: Any, position: int = -1) -> PendingToken:
-        raw = self._model(tokens[None], cache=self._cache)[:, position, :]
+        raw = self._logits(tokens, position)
+        if self._grammar is not None:
+            mx.async_eval(raw)  # the device runs the pass while the host computes the mask
+        return self._select(raw)
+
+    def _logits(self, tokens: Any, position: int = -1) -> Any:
+        return self._model(tokens[None], cache=self._cache)[:, position, :]
+
+    def _select(self, raw: Any) -> PendingToken:
+        """The token chosen from `raw` logits: processors, bias and penalties, the grammar's
+        mask, then the sampler."""
         logits = raw
         if self._processors:
             for processor in self._processors:
                 logits = processor(self._history, logits)
         if self._selector.adjusts_logits:
             logits = self._selector.adjust(logits)
+        if self._grammar is not None:
+            logits = apply_token_mask(logits, self._grammar.allowed_words()[None])
         token = self._selector.choose(logits)
         if self._processors:
             self._history = mx.concatenate([self._history, token.astype(mx.int32)])
@@ -328,6 +354,8 @@ class ActiveSequence:
         return PendingToken(token, chosen, ids, values)
 
     def _decode_one(self, prefilled: int) -> StepResult:
+        if self._grammar is not None:
+            return self._decode_constrained(prefilled)
         assert self._current is not None
         current = self._current
         last_one = self.generated + 1 >= self.job.params.max_tokens
@@ -362,6 +390,45 @@ class ActiveSequence:
         if last_one:
             self.finished = True
             return StepResult((token,), "length", prefilled, logprobs)
+        return StepResult((token,), None, prefilled, logprobs)
+
+    def _decode_constrained(self, prefilled: int) -> StepResult:
+        """`_decode_one` under a grammar (see the module docstring): the next forward pass is
+        queued before the token is read; its mask, after."""
+        current, grammar = self._current, self._grammar
+        assert current is not None and grammar is not None
+        last_one = self.generated + 1 >= self.job.params.max_tokens
+        first = prefilled > 0
+        raw = None
+        if not last_one:
+            raw = self._logits(current.token)
+            if not first:
+                mx.async_eval(raw)
+        token = int(current.token.item())
+        logprobs = (read_logprobs(token, current),) if current.chosen is not None else ()
+        if self._processors:
+            self._processors = [p for p in self._processors if not getattr(p, "is_retired", False)]
+        eos = token in self._eos
+        if not eos:
+            grammar.consume(token)
+        upcoming = None
+        if raw is not None:
+            self._fed_generated.append(token)  # its forward pass is built: the cache holds it
+            if not eos and not grammar.done:
+                upcoming = self._select(raw)
+                if not first:
+                    mx.async_eval(*upcoming.arrays())
+        self._current = upcoming
+        self._current_unqueued = first and upcoming is not None
+        if eos:
+            self.finished = True
+            return StepResult(finish="stop", prefilled=prefilled)
+        self.generated += 1
+        if self.generated % 256 == 0:
+            mx.clear_cache()
+        if grammar.done or last_one:
+            self.finished = True
+            return StepResult((token,), "stop" if grammar.done else "length", prefilled, logprobs)
         return StepResult((token,), None, prefilled, logprobs)
 
 

@@ -53,6 +53,7 @@ from trio_mlx.http.objects import (
 )
 from trio_mlx.http.requests import ChatCompletionRequest, ChatMessage, ContentPart
 from trio_mlx.http.state import ServerState
+from trio_mlx.http.structured_output import chat_output_format
 from trio_mlx.http.tooling import CallReader, chat_deltas, plan_tools
 from trio_mlx.types import GenerationOutput, TokenLogprob
 
@@ -166,6 +167,9 @@ async def chat_completions(
         options["top_logprobs"] = body.top_logprobs or 0
     if body.thinking_token_budget is not None:
         options["thinking_token_budget"] = body.thinking_token_budget
+    output_format = chat_output_format(body.response_format)
+    if output_format is not None:
+        options["output_format"] = output_format
     prepared = await prepare_async(
         lambda: engine.prepare_chat_async(
             plan.messages,

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
 from trio_mlx.http.errors import APIError
+from trio_mlx.http.structured_output import ResponseFormat, ResponseTextFormat
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 # Fields that are validated in code (for a clearer message than a type error) but whose accepted
@@ -264,12 +265,6 @@ class ChatTool(_Body):
     function: FunctionDefinition
 
 
-class ResponseFormat(_Body):
-    type: Annotated[
-        Literal["text", "json_object", "json_schema"], WithJsonSchema({"const": "text"})
-    ]
-
-
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -311,14 +306,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         _only_one_choice(self.n)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(
-                400,
-                f"response_format {self.response_format.type!r} is not "
-                "supported on this server (only 'text')",
-                param="response_format",
-                code="unsupported_value",
-            )
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
 
@@ -464,12 +451,6 @@ class ResponseTool(_Body):
     strict: bool | None = None
 
 
-class ResponseTextFormat(_Body):
-    type: Annotated[
-        Literal["text", "json_object", "json_schema"], WithJsonSchema({"const": "text"})
-    ] = "text"
-
-
 class ResponseText(_Body):
     format: ResponseTextFormat | None = None
 
@@ -523,13 +504,5 @@ class ResponsesRequest(SamplingFields):
                 "previous_response_id is not supported: this server does not "
                 "store responses; send the conversation as input items",
                 param="previous_response_id",
-                code="unsupported_value",
-            )
-        fmt = self.text.format if self.text is not None else None
-        if fmt is not None and fmt.type != "text":
-            raise APIError(
-                400,
-                f"text.format {fmt.type!r} is not supported on this server",
-                param="text.format",
                 code="unsupported_value",
             )

@@ -47,6 +47,7 @@ from trio_mlx.http.objects import (
 )
 from trio_mlx.http.requests import ChatMessage, InputItem, ResponsesRequest
 from trio_mlx.http.state import ServerState
+from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader, plan_tools
 from trio_mlx.tools import ArgumentsAppended, CallStarted, Content, ToolEvent
 from trio_mlx.types import GenerationOutput
@@ -150,6 +151,9 @@ async def start_response(
         nested_choice=False,
     )
     options = body.sampling_options() | plan.options
+    output_format = responses_output_format(body.text.format if body.text else None)
+    if output_format is not None:
+        options["output_format"] = output_format
     try:
         prepared = await prepare_async(
             lambda: engine.prepare_chat_async(
