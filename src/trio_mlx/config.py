@@ -52,6 +52,10 @@ class EngineConfig:
       (the machine's memory on the CPU); 0: no accounting.
     - `prefill_chunk_seconds`: a prefill chunk is sized to take about this long (measured), so
       an abort or a cancel frees the runner within about that time on any backend.
+    - `compiled_decode`: fuse each layer's q/k/v and gate/up projections at load, and on the
+      serialized route decode through a step traced once per KV length bucket and replayed
+      (`engine/fast_decode.py`; llama, qwen2 and qwen3 models with a plain KV cache, else the
+      plain path). None: on for a GPU, off on the CPU.
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):
@@ -77,6 +81,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     kv_memory_bytes: int | None = None
     prefill_chunk_seconds: float = 0.25
+    compiled_decode: bool | None = None
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None
 

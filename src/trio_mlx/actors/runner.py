@@ -72,7 +72,9 @@ from trio_mlx.actors.runner_threads import (
 )
 from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
+from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
+from trio_mlx.engine.fast_decode import prepare_fast_decode
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
@@ -169,6 +171,7 @@ class Runner:
         max_kv_size: int | None = None,
         max_num_seqs: int = 1,
         prefill_chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
+        compiled_decode: bool | None = None,
         loader: ModelLoader = load_model,
     ) -> None:
         self._model_spec = model
@@ -182,6 +185,9 @@ class Runner:
         self._prefill_options = (prefill_step_size, fused_tail_tokens, prefill_block)
         self._prefill_plan = PrefillPlan(prefill_step_size)  # chosen again once a model is loaded
         self._max_kv_size = max_kv_size
+        self._compiled_option = compiled_decode
+        #: the model's traced decode step (`fast_decode`), None when off or unsupported
+        self.compiled: CompiledDecode | None = None
         self._loader = loader
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()  # set whenever a command is queued, or to stop
@@ -355,6 +361,7 @@ class Runner:
         self._loaded.set()
         if self._stop.is_set():  # cancelled while loading: nobody waits for this model
             return
+        self.compiled = prepare_fast_decode(loaded.model, self._compiled_option)
         info = describe(loaded, self._max_kv_size)
         step, tail, block = self._prefill_options
         self._prefill_plan = PrefillPlan.choose(
@@ -505,6 +512,7 @@ class Runner:
                     cache=cache,
                     cached_tokens=cached_tokens,
                     split_at_store_points=not trimmable,
+                    compiled=self.compiled,
                 )
                 self.counters.started += 1
             except Exception as exc:

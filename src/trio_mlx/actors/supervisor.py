@@ -64,6 +64,7 @@ async def _serve(
         max_kv_size=cfg.max_kv_size,
         max_num_seqs=max_num_seqs,
         prefill_chunk_seconds=cfg.prefill_chunk_seconds,
+        compiled_decode=cfg.compiled_decode,
         loader=loader,
     )
     book = AdmissionBook(slots=max_num_seqs, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)

@@ -193,6 +193,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_kv_size": args.max_kv_size,
         "max_num_seqs": getattr(args, "max_num_seqs", None),
         "prefill_chunk_seconds": getattr(args, "prefill_chunk_seconds", 0.25),
+        "compiled_decode": getattr(args, "compiled_decode", None),
     }
     kv_mb = getattr(args, "kv_memory_mb", None)
     if kv_mb is not None:

@@ -1,0 +1,41 @@
+"""What `EngineConfig.compiled_decode` turns on for a loaded model. Runner thread only.
+
+- fused q/k/v and gate/up projections (`fused.fuse_projections`), on both routes;
+- the traced one-token decode step (`compiled_step.CompiledDecode`), on the serialized route.
+
+`None` (the default) means on for a GPU and off on the CPU backend, where the host is not what
+limits a decode step (the device's arithmetic is; docs/benchmarks/README.md, "Compiled decode").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+
+from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
+from trio_mlx.engine.fused import fuse_projections
+
+log = logging.getLogger(__name__)
+
+
+def default_compiled_decode() -> bool:
+    """On for a GPU, off on the CPU backend."""
+    return bool(mx.default_device() == mx.gpu)
+
+
+def prepare_fast_decode(model: Any, enabled: bool | None) -> CompiledDecode | None:
+    """Apply the option to `model` (in place: fused projections) and return its traced decode
+    step, or None where it is off or the model cannot take it (logged once)."""
+    if enabled is None:
+        enabled = default_compiled_decode()
+    if not enabled:
+        return None
+    groups = fuse_projections(model)
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.info("compiled decode off: %s (fused projection groups: %d)", reason, groups)
+        return None
+    log.info("compiled decode on (fused projection groups: %d)", groups)
+    return CompiledDecode(model)
