@@ -15,6 +15,9 @@ queuing step k+1 before reading token k (as the engine does):
 - `fused`: the same on the model with fused q/k/v and gate/up projections (`engine/fused.py`);
 - `compiled`: the traced step (`engine/compiled_step.py`) on the unfused model;
 - `compiled+fused`: the traced step on the fused model (what `compiled_decode` serves);
+- `kernel`: `compiled+fused` with attention in one custom CUDA kernel (`engine/decode_attention.py`,
+  experimental: what `TRIO_MLX_DECODE_ATTENTION=kernel` serves), on MLX's CUDA backend only, after
+  a numeric check of the kernel against the same arithmetic in MLX ops (`kernel_check`);
 - `engine`: `decode.ActiveSequence` with the traced step on the fused model, stepped as the
   runner steps it (the real per-step code, total time only).
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
@@ -55,7 +58,7 @@ from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.fused import fuse_projections
 from trio_mlx.types import SamplingParams
 
-VARIANTS = ("mlx_lm", "plain", "fused", "compiled", "compiled+fused", "engine")
+VARIANTS = ("mlx_lm", "plain", "fused", "compiled", "compiled+fused", "kernel", "engine")
 DEFAULT_MODELS = "synthetic:llama-1b-bf16,synthetic:llama-8b-bf16,synthetic:llama-8b-q4"
 
 
@@ -196,6 +199,60 @@ def engine_decode(
     return time.perf_counter() - t0, time.thread_time() - cpu0
 
 
+def run_variant(
+    variant: str,
+    model: Any,
+    fused: Any,
+    decoders: dict[str, CompiledDecode],
+    ids: Any,
+    cell: Cell,
+    vocab: int,
+) -> tuple[float, float]:
+    prompt = ids.astype(mx.uint32)
+    if variant == "mlx_lm":
+        return mlx_lm_decode(model, prompt, cell)
+    if variant == "engine":
+        ids_tuple = tuple(int(i) for i in ids.tolist())
+        return engine_decode(fused, ids_tuple, cell, decoders["compiled+fused"], vocab)
+    subject = model if variant in ("plain", "compiled") else fused
+    decoder = decoders.get(variant)
+    step = plain_step(subject) if decoder is None else compiled_step(decoder)
+    return loop_decode(subject, prompt, cell, step)
+
+
+def kernel_check(model: Any) -> dict[str, Any]:
+    """The attention kernel against `reference_attention` on this model's head shapes (bucket of
+    512, 300 valid positions): the largest absolute difference, or why it could not run."""
+    from trio_mlx.engine import decode_attention
+
+    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+        return {"skipped": "not MLX's CUDA backend"}
+    args = model.args
+    n_heads, n_kv = args.num_attention_heads, args.num_key_value_heads or args.num_attention_heads
+    dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        dtype = mx.bfloat16  # a quantized embedding: its scales' dtype is the model's
+    key = mx.random.key(5)
+    k1, k2, k3 = mx.random.split(key, 3)
+    q = mx.random.normal((1, n_heads, 1, dim), key=k1).astype(dtype)
+    k = mx.random.normal((1, n_kv, 512, dim), key=k2).astype(dtype)
+    v = mx.random.normal((1, n_kv, 512, dim), key=k3).astype(dtype)
+    offset = mx.array(299, dtype=mx.int32)
+    scale = dim**-0.5
+    try:
+        out = decode_attention.decode_attention(q, k, v, offset, scale)
+        ref = decode_attention.reference_attention(q, k, v, offset, scale)
+        error = mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))).item()
+        scale_of = mx.max(mx.abs(ref.astype(mx.float32))).item()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    result = {"max_abs_error": error, "max_abs_value": scale_of}
+    if not error <= 0.02 * max(scale_of, 1e-6) + 1e-3:
+        result["error"] = "the kernel's output differs from the reference"
+    return result
+
+
 def agreement(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -212,7 +269,13 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
     fused = structural_copy(model)  # the same arrays; fusing it leaves `model` as it was
     groups = fuse_projections(fused)
     mx.eval(fused.parameters())
-    decoders = {"compiled": CompiledDecode(model), "compiled+fused": CompiledDecode(fused)}
+    decoders = {
+        "compiled": CompiledDecode(model, attention_kernel=False),
+        "compiled+fused": CompiledDecode(fused, attention_kernel=False),
+    }
+    check = kernel_check(model) if "kernel" in args.variants else {"skipped": "not asked"}
+    if "error" not in check and "skipped" not in check:
+        decoders["kernel"] = CompiledDecode(fused, attention_kernel=True)
     size = weights_bytes(model)
     report: dict[str, Any] = {
         "model": spec,
@@ -224,8 +287,10 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
         "rows": [],
         "skipped": [],
         "first_use_s": {},
+        "kernel_check": check,
+        "errors": {},
     }
-    variants = [v for v in args.variants if v in VARIANTS]
+    variants = [v for v in args.variants if v in VARIANTS and (v != "kernel" or v in decoders)]
     log(f"[{spec}] {description}: {size / 1e9:.2f} GB, {groups} fused groups, "
         f"setup {report['setup_s']:.1f} s")  # fmt: skip
     for length in args.prompt_tokens:
@@ -233,25 +298,20 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
         for repeat in range(args.repeats + 1):  # repeat 0 warms up
             shift = repeat % len(variants)
             for variant in variants[shift:] + variants[:shift]:
+                if variant in report["errors"]:
+                    continue
                 if time.monotonic() > deadline:
                     report["skipped"].append({"prompt": length, "repeat": repeat, "v": variant})
                     continue
                 ids = mx.random.randint(100, vocab - 100, (length,), key=mx.random.key(repeat))
-                prompt = ids.astype(mx.uint32)
                 cell = Cell(args.tokens, args.cell_seconds)
                 t = time.perf_counter()
-                if variant == "mlx_lm":
-                    seconds, cpu = mlx_lm_decode(model, prompt, cell)
-                elif variant == "engine":
-                    ids_tuple = tuple(int(i) for i in ids.tolist())
-                    seconds, cpu = engine_decode(
-                        fused, ids_tuple, cell, decoders["compiled+fused"], vocab
-                    )
-                else:
-                    subject = fused if "fused" in variant else model
-                    decoder = decoders.get(variant)
-                    step = plain_step(subject) if decoder is None else compiled_step(decoder)
-                    seconds, cpu = loop_decode(subject, prompt, cell, step)
+                try:
+                    seconds, cpu = run_variant(variant, model, fused, decoders, ids, cell, vocab)
+                except Exception as exc:  # reported; the other variants go on
+                    report["errors"][variant] = f"{type(exc).__name__}: {exc}"
+                    log(f"[{spec}] {variant} failed: {report['errors'][variant]}")
+                    continue
                 if repeat == 0:
                     report["first_use_s"][f"{variant}/{length}"] = time.perf_counter() - t
                     if variant == "plain":
@@ -331,6 +391,9 @@ def markdown(report: dict[str, Any]) -> str:
             )
         first = ", ".join(f"{k} {v:.2f}" for k, v in m["first_use_s"].items())
         lines += ["", f"First use (warm-up cell, s): {first}", ""]
+        lines += [f"Attention kernel check: {json.dumps(m['kernel_check'])}", ""]
+        for variant, error in m["errors"].items():
+            lines += [f"`{variant}` failed: {error}", ""]
         if m["skipped"]:
             lines += [f"Skipped at the deadline: {len(m['skipped'])} cells", ""]
     return "\n".join(lines) + "\n"

@@ -239,3 +239,32 @@ def test_serve_passes_the_option() -> None:
     for flag, value in (("--compiled-decode", True), ("--no-compiled-decode", False)):
         args = build_parser().parse_args(["serve", flag])
         assert settings_from_args(args).engine_options["compiled_decode"] is value
+
+
+def test_the_attention_dispatcher_routes_only_the_traced_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA kernel cannot run here: its stand-in (`reference_attention`, the arithmetic the
+    kernel implements) takes the traced layers' attention; every other call is mlx-lm's. (A head
+    size of 32: the kernel's smallest.)"""
+    from tiny_model import build_tiny_model
+    from trio_mlx.engine import decode_attention
+
+    calls: list[tuple[int, ...]] = []
+
+    def stand_in(queries: Any, keys: Any, values: Any, offset: Any, scale: float) -> Any:
+        calls.append(tuple(keys.shape))
+        return decode_attention.reference_attention(queries, keys, values, offset, scale)
+
+    monkeypatch.setattr(decode_attention, "decode_attention", stand_in)
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    model_dir = build_tiny_model(tmp_path / "heads-32", hidden_size=128, intermediate_size=256)
+    model = load_model(model_dir).model
+    plain, _, _ = generate(model, params, None, PROMPT)
+    decoder = CompiledDecode(model, first_bucket=16, attention_kernel=True)
+    tokens, _, _ = generate(model, params, decoder, PROMPT)
+    assert tokens == plain
+    assert {shape[2] for shape in calls} == {64, 128}  # traced once per bucket, two layers each
+    assert len(calls) == 2 * 2
+    assert generate(model, params, None, PROMPT)[0] == plain  # the plain path is untouched
+    assert len(calls) == 4

@@ -29,6 +29,10 @@ is only for architectures whose forward pass uses a layer's cache exactly as mlx
 layer's cache a plain `KVCache` (no rotating, quantized or recurrent cache). Anything else runs
 the plain path (`unsupported_reason` says why).
 
+Attention: by default the model's own (`mx.fast.scaled_dot_product_attention` with the mask); on
+MLX's CUDA backend `TRIO_MLX_DECODE_ATTENTION=kernel` (experimental) computes it in one custom
+kernel instead (`decode_attention`).
+
 Numerics: on the CPU backend (float32), greedy tokens equal the plain path's (tests). On a GPU the
 masked attention over the bucket is computed by MLX's unfused attention (its fused decode kernels
 take no array mask), and compile fuses elementwise ops, so logits differ by rounding; greedy
@@ -42,6 +46,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+
+from trio_mlx.engine import decode_attention
 
 __all__ = [
     "COMPILABLE_MODULES",
@@ -92,14 +98,22 @@ class _TracedLayer:
     """One layer's cache as the model sees it inside the trace: a fixed-size buffer, the write
     position as an array, attention masked to the positions written so far."""
 
-    __slots__ = ("_mask", "_start", "keys", "offset", "values")
+    __slots__ = ("_kernel", "_mask", "_start", "keys", "offset", "values")
 
-    def __init__(self, keys: Any, values: Any, offset: Any, mask: Any) -> None:
+    def __init__(self, keys: Any, values: Any, offset: Any, mask: Any, kernel: bool) -> None:
         self.keys = keys
         self.values = values
         self.offset = offset  # a scalar int32 array: RoPE takes it as is
         self._start = offset.reshape(1)
         self._mask = mask
+        self._kernel = kernel
+
+    def attend(self, queries: Any, keys: Any, values: Any, scale: float) -> Any:
+        """Attention by `decode_attention`'s kernel where it is on and takes these shapes, else
+        None (the model's own attention then runs, with `make_mask`'s mask)."""
+        if not self._kernel or not decode_attention.supported(queries, keys):
+            return None
+        return decode_attention.decode_attention(queries, keys, values, self.offset, scale)
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         self.keys = mx.slice_update(self.keys, keys, self._start, axes=(2,))
@@ -116,9 +130,17 @@ class CompiledDecode:
     """The traced one-token decode step of one model (see the module docstring). One per model;
     every sequence shares its traces."""
 
-    def __init__(self, model: Any, *, first_bucket: int = FIRST_BUCKET) -> None:
+    def __init__(
+        self, model: Any, *, first_bucket: int = FIRST_BUCKET, attention_kernel: bool | None = None
+    ) -> None:
         self._model = model
         self.first_bucket = first_bucket
+        #: attention by `decode_attention`'s CUDA kernel (None: as `TRIO_MLX_DECODE_ATTENTION`)
+        self.attention_kernel = (
+            decode_attention.kernel_requested() if attention_kernel is None else attention_kernel
+        )
+        if self.attention_kernel:
+            decode_attention.install_dispatcher(COMPILABLE_MODULES)
         self._greedy = mx.compile(lambda *a: self._trace(True, *a))
         self._logits = mx.compile(lambda *a: self._trace(False, *a))
 
@@ -153,7 +175,8 @@ class CompiledDecode:
     def _trace(self, greedy: bool, tokens: Any, offset: Any, *arrays: Any) -> list[Any]:
         valid = mx.arange(arrays[0].shape[2]) <= offset
         layers = [
-            _TracedLayer(arrays[i], arrays[i + 1], offset, valid) for i in range(0, len(arrays), 2)
+            _TracedLayer(arrays[i], arrays[i + 1], offset, valid, self.attention_kernel)
+            for i in range(0, len(arrays), 2)
         ]
         logits = self._model(tokens, cache=layers)[:, -1, :]
         head = mx.argmax(logits, axis=-1) if greedy else logits
