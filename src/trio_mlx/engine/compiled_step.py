@@ -33,6 +33,14 @@ Attention: by default the model's own (`mx.fast.scaled_dot_product_attention` wi
 MLX's CUDA backend `TRIO_MLX_DECODE_ATTENTION=kernel` (experimental) computes it in one custom
 kernel instead (`decode_attention`).
 
+The batched route (`batch.BatchDecoder`) does not use the traced step yet (it gets the fused
+projections). The design carries over: mlx-lm's `BatchKVCache` already writes every row at one
+position (`_idx`, rows left-padded) and keeps per-row RoPE offsets as an array, so a traced batch
+step takes the tokens (B,), `_idx` and the left padding as arrays, buckets the buffer by `_idx`,
+masks `left_padding <= position <= _idx` per row, and is traced per (B, bucket) with B padded up
+a short ladder (1, 2, 4, ... 64; a padding row attends to its own position only) so that rows
+joining and leaving do not retrace; sampling stays per row outside the trace as here.
+
 Numerics: on the CPU backend (float32), greedy tokens equal the plain path's (tests). On a GPU the
 masked attention over the bucket is computed by MLX's unfused attention (its fused decode kernels
 take no array mask), and compile fuses elementwise ops, so logits differ by rounding; greedy
@@ -164,9 +172,7 @@ class CompiledDecode:
                 )
         arrays = [a for layer in cache for a in (layer.keys, layer.values)]
         traced = self._greedy if greedy else self._logits
-        head, *state = traced(
-            token.astype(mx.uint32).reshape(1, 1), mx.array(offset, dtype=mx.int32), *arrays
-        )
+        head, *state = traced(token.astype(mx.uint32), mx.array(offset, dtype=mx.int32), *arrays)
         for i, layer in enumerate(cache):
             layer.keys, layer.values = state[2 * i], state[2 * i + 1]
             layer.offset = offset + 1
@@ -178,7 +184,7 @@ class CompiledDecode:
             _TracedLayer(arrays[i], arrays[i + 1], offset, valid, self.attention_kernel)
             for i in range(0, len(arrays), 2)
         ]
-        logits = self._model(tokens, cache=layers)[:, -1, :]
+        logits = self._model(tokens.reshape(1, 1), cache=layers)[:, -1, :]
         head = mx.argmax(logits, axis=-1) if greedy else logits
         return [head, *(a for layer in layers for a in (layer.keys, layer.values))]
 
