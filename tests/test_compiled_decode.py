@@ -182,23 +182,48 @@ async def test_the_engine_gives_the_plain_tokens_with_the_prefix_cache_and_abort
     assert len(compiled[0]) == 80  # crossed into the second bucket
 
 
-async def test_the_batched_route_keeps_its_tokens_with_fused_projections(
-    tiny_model_dir: Path,
+async def _batched_script(engine: trio_mlx.Engine) -> list[list[int]]:
+    """Rows of different lengths joining at different times and leaving at different times (one
+    crossing from the 256- into the 512-position bucket), one aborted mid-way, and a request
+    continuing a finished one from the prefix cache."""
+    prompts = [[(11 * i + k) % 30000 + 100 for i in range(30 + 100 * k)] for k in range(3)]
+    budgets = [24, 40, 60]  # the third: 230 + 60 positions
+    results: list[list[int]] = [[] for _ in range(5)]
+
+    async def one(k: int) -> None:
+        if k == 2:
+            await trio.sleep(0.05)  # joins a running batch
+        out = await engine.generate(prompts[k], max_tokens=budgets[k], temperature=0.0)
+        results[k] = list(out.tokens)
+
+    async def aborted() -> None:
+        async for out in engine.stream_generate(prompts[0][::-1], max_tokens=200, temperature=0):
+            results[3] += out.new_tokens
+            if len(results[3]) >= 12:
+                break
+        results[3] = results[3][:12]
+
+    async with trio.open_nursery() as nursery:
+        for k in range(3):
+            nursery.start_soon(one, k)
+        nursery.start_soon(aborted)
+    follow = prompts[1] + results[1] + [500, 501]
+    out = await engine.generate(follow, max_tokens=16, temperature=0.0)
+    results[4] = list(out.tokens)
+    return results
+
+
+async def test_the_batched_route_gives_the_plain_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    prompts = [[(11 * i + k) % 30000 + 100 for i in range(30 + 7 * k)] for k in range(3)]
+    calls = []
+    original = CompiledDecode.batch_logits
 
-    async def run(engine: trio_mlx.Engine) -> list[list[int]]:
-        results: list[list[int]] = [[] for _ in prompts]
+    def counted(decoder: CompiledDecode, *args: Any) -> Any:
+        calls.append(args[1][0].keys.shape[0])  # rows in the step
+        return original(decoder, *args)
 
-        async def one(k: int) -> None:
-            out = await engine.generate(prompts[k], max_tokens=24, temperature=0.0)
-            results[k] = list(out.tokens)
-
-        async with trio.open_nursery() as nursery:
-            for k in range(len(prompts)):
-                nursery.start_soon(one, k)
-        return results
-
+    monkeypatch.setattr(CompiledDecode, "batch_logits", counted)
     fused = []
 
     def loader(spec: Any) -> Any:
@@ -209,10 +234,12 @@ async def test_the_batched_route_keeps_its_tokens_with_fused_projections(
     async with trio_mlx.open_engine(
         tiny_model_dir, compiled_decode=True, max_num_seqs=4, loader=loader
     ) as engine:
-        batched = await run(engine)
+        batched = await _batched_script(engine)
     assert "qkv_proj" in fused[0].layers[0].self_attn
+    assert len(calls) > 60 and max(calls) > 1
     async with trio_mlx.open_engine(tiny_model_dir, compiled_decode=False, max_num_seqs=4) as e:
-        assert batched == await run(e)
+        assert batched == await _batched_script(e)
+    assert [len(r) for r in batched[:3]] == [24, 40, 60]
 
 
 class Delegating(_Wrapped):

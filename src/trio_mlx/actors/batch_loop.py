@@ -58,6 +58,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         plan=plan,
         max_kv_size=runner._max_kv_size,
         split_at_store_points=not (support is not None and support.trimmable),
+        compiled=runner.compiled,
     )
     counters = runner.counters
     pacer = runner.pacer

@@ -33,13 +33,14 @@ Attention: by default the model's own (`mx.fast.scaled_dot_product_attention` wi
 MLX's CUDA backend `TRIO_MLX_DECODE_ATTENTION=kernel` (experimental) computes it in one custom
 kernel instead (`decode_attention`).
 
-The batched route (`batch.BatchDecoder`) does not use the traced step yet (it gets the fused
-projections). The design carries over: mlx-lm's `BatchKVCache` already writes every row at one
-position (`_idx`, rows left-padded) and keeps per-row RoPE offsets as an array, so a traced batch
-step takes the tokens (B,), `_idx` and the left padding as arrays, buckets the buffer by `_idx`,
-masks `left_padding <= position <= _idx` per row, and is traced per (B, bucket) with B padded up
-a short ladder (1, 2, 4, ... 64; a padding row attends to its own position only) so that rows
-joining and leaving do not retrace; sampling stays per row outside the trace as here.
+The batched route (`batch.BatchDecoder`, `batch_logits`): mlx-lm's `BatchKVCache` writes every
+row at one position (`_idx`, rows left-padded) and keeps per-row RoPE offsets as an array (its own
+mask is an array already), so the traced batch step takes the tokens (B,), `_idx`, the offsets and
+the left padding as arrays, buckets the buffer by `_idx`, masks `left_padding <= position <= _idx`
+per row, and returns the logits; sampling stays per row outside the trace. One trace per
+(B, bucket): a batch size seen for the first time in a bucket traces once (tens of milliseconds on
+a large model). Padding B up a short ladder (1, 2, 4, ... 64) would bound the traces, at the price
+of computing the padding rows: not done.
 
 Numerics: on the CPU backend (float32), greedy tokens equal the plain path's (tests). On a GPU the
 masked attention over the bucket is computed by MLX's unfused attention (its fused decode kernels
@@ -53,7 +54,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from trio_mlx.engine import decode_attention
 
@@ -108,11 +109,13 @@ class _TracedLayer:
 
     __slots__ = ("_kernel", "_mask", "_start", "keys", "offset", "values")
 
-    def __init__(self, keys: Any, values: Any, offset: Any, mask: Any, kernel: bool) -> None:
+    def __init__(
+        self, keys: Any, values: Any, offset: Any, start: Any, mask: Any, kernel: bool
+    ) -> None:
         self.keys = keys
         self.values = values
-        self.offset = offset  # a scalar int32 array: RoPE takes it as is
-        self._start = offset.reshape(1)
+        self.offset = offset  # int32 array, scalar or one per row: RoPE takes it as is
+        self._start = start.reshape(1)  # where the new position is written (every row)
         self._mask = mask
         self._kernel = kernel
 
@@ -151,6 +154,7 @@ class CompiledDecode:
             decode_attention.install_dispatcher(COMPILABLE_MODULES)
         self._greedy = mx.compile(lambda *a: self._trace(True, *a))
         self._logits = mx.compile(lambda *a: self._trace(False, *a))
+        self._batch = mx.compile(self._trace_batch)
 
     @staticmethod
     def fits(cache: Sequence[Any]) -> bool:
@@ -181,12 +185,58 @@ class CompiledDecode:
     def _trace(self, greedy: bool, tokens: Any, offset: Any, *arrays: Any) -> list[Any]:
         valid = mx.arange(arrays[0].shape[2]) <= offset
         layers = [
-            _TracedLayer(arrays[i], arrays[i + 1], offset, valid, self.attention_kernel)
+            _TracedLayer(arrays[i], arrays[i + 1], offset, offset, valid, self.attention_kernel)
             for i in range(0, len(arrays), 2)
         ]
         logits = self._model(tokens.reshape(1, 1), cache=layers)[:, -1, :]
         head = mx.argmax(logits, axis=-1) if greedy else logits
         return [head, *(a for layer in layers for a in (layer.keys, layer.values))]
+
+    # ---- the batched route ------------------------------------------------------------------
+
+    @staticmethod
+    def batch_fits(cache: Sequence[Any]) -> bool:
+        """Whether a decode batch's cache can take the traced batch step: every layer mlx-lm's
+        `BatchKVCache` (left-padded rows, one write position), holding at least one position."""
+        return bool(cache) and all(type(c) is BatchKVCache and c.keys is not None for c in cache)
+
+    def batch_logits(self, tokens: Any, cache: Sequence[Any]) -> Any:
+        """Feed each row's token (shape (B,)) through the model over the batch's `cache`
+        (advanced by one position, as `BatchKVCache.update_and_fetch` would); return the logits
+        (shape (B, vocab)), lazily. One trace per (B, bucket)."""
+        first = cache[0]
+        idx = first._idx
+        size = bucket_size(idx + 1, self.first_bucket)
+        for layer in cache:
+            if layer.keys.shape[2] != size:
+                layer.keys = _relaid(layer.keys, idx, size)
+                layer.values = _relaid(layer.values, idx, size)
+        arrays = [a for layer in cache for a in (layer.keys, layer.values)]
+        logits, offset, *state = self._batch(
+            tokens.astype(mx.uint32),
+            mx.array(idx, dtype=mx.int32),
+            first.offset.astype(mx.int32),
+            first.left_padding.astype(mx.int32),
+            *arrays,
+        )
+        for i, layer in enumerate(cache):  # every layer's offsets are the same values
+            layer.keys, layer.values = state[2 * i], state[2 * i + 1]
+            layer.offset = offset
+            layer._idx = idx + 1
+        return logits
+
+    def _trace_batch(
+        self, tokens: Any, idx: Any, offset: Any, left_padding: Any, *arrays: Any
+    ) -> list[Any]:
+        positions = mx.arange(arrays[0].shape[2])[None]
+        valid = (positions <= idx) & (positions >= left_padding[:, None])
+        mask = valid[:, None, None, :]
+        layers = [
+            _TracedLayer(arrays[i], arrays[i + 1], offset, idx, mask, False)
+            for i in range(0, len(arrays), 2)
+        ]
+        logits = self._model(tokens[:, None], cache=layers)[:, -1, :]
+        return [logits, offset + 1, *(a for layer in layers for a in (layer.keys, layer.values))]
 
 
 def _relaid(buffer: Any, offset: int, size: int) -> Any:

@@ -1,7 +1,8 @@
 """What `EngineConfig.compiled_decode` turns on for a loaded model. Runner thread only.
 
-- fused q/k/v and gate/up projections (`fused.fuse_projections`), on both routes;
-- the traced one-token decode step (`compiled_step.CompiledDecode`), on the serialized route.
+- fused q/k/v and gate/up projections (`fused.fuse_projections`);
+- the decode step traced once per KV length bucket and replayed (`compiled_step.CompiledDecode`):
+  one sequence's on the serialized route, the batch's on the batched route.
 
 `None` (the default) means on for a GPU and off on the CPU backend, where the host is not what
 limits a decode step (the device's arithmetic is; docs/benchmarks/README.md, "Compiled decode").
