@@ -31,14 +31,18 @@ PROMPT = tuple(range(5, 45))
 
 
 def generate(
-    model: Any, params: SamplingParams, compiled: CompiledDecode | None, prompt: tuple[int, ...]
+    model: Any,
+    params: SamplingParams,
+    compiled: CompiledDecode | None,
+    prompt: tuple[int, ...],
+    vocab: int = 49152,
 ) -> tuple[list[int], list[float], ActiveSequence]:
     seq = ActiveSequence(
         GenerationJob(1, prompt, params),
         model,
         frozenset(),
         PrefillPlan(2048),
-        vocab_size=49152,
+        vocab_size=vocab,
         compiled=compiled,
     )
     tokens: list[int] = []
@@ -295,3 +299,39 @@ def test_the_attention_dispatcher_routes_only_the_traced_layers(
     assert len(calls) == 2 * 2
     assert generate(model, params, None, PROMPT)[0] == plain  # the plain path is untouched
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_the_other_architectures_give_the_plain_tokens(kind: str) -> None:
+    """qwen2 (biased q/k/v projections) and qwen3 (q/k norms, an explicit head size), random and
+    tiny, built in memory: fused and traced, the plain path's tokens."""
+    import importlib
+
+    from mlx.utils import tree_map
+
+    module = importlib.import_module(f"mlx_lm.models.{kind}")
+    config = {
+        "model_type": kind,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 4096,
+        "max_position_embeddings": 1024,
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+    }
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    prompt = tuple(range(5, 45))
+    plain, _, _ = generate(model, params, None, prompt, vocab=4096)
+    assert unsupported_reason(model) is None
+    assert fuse_projections(model) == 4
+    decoder = CompiledDecode(model, first_bucket=16)
+    assert generate(model, params, decoder, prompt, vocab=4096)[0] == plain
