@@ -228,6 +228,7 @@ async def test_the_batched_route_gives_the_plain_tokens(
         return original(decoder, *args)
 
     monkeypatch.setattr(CompiledDecode, "batch_logits", counted)
+    monkeypatch.setenv("TRIO_MLX_COMPILED_BATCH", "on")
     fused = []
 
     def loader(spec: Any) -> Any:
@@ -244,6 +245,11 @@ async def test_the_batched_route_gives_the_plain_tokens(
     async with trio_mlx.open_engine(tiny_model_dir, compiled_decode=False, max_num_seqs=4) as e:
         assert batched == await _batched_script(e)
     assert [len(r) for r in batched[:3]] == [24, 40, 60]
+    monkeypatch.delenv("TRIO_MLX_COMPILED_BATCH")
+    steps = len(calls)
+    async with trio_mlx.open_engine(tiny_model_dir, compiled_decode=True, max_num_seqs=4) as e:
+        assert batched == await _batched_script(e)  # fused projections only
+    assert len(calls) == steps
 
 
 class Delegating(_Wrapped):

@@ -53,9 +53,10 @@ class EngineConfig:
     - `prefill_chunk_seconds`: a prefill chunk is sized to take about this long (measured), so
       an abort or a cancel frees the runner within about that time on any backend.
     - `compiled_decode`: fuse each layer's q/k/v and gate/up projections at load, and decode
-      (one sequence or a batch) through a step traced once per KV length bucket and replayed
-      (`engine/fast_decode.py`; llama, qwen2 and qwen3 models with an unbounded KV cache, else
-      the plain path). None: on for a GPU, off on the CPU.
+      through a step traced once per KV length bucket and replayed (the serialized route; the
+      batched route with `TRIO_MLX_COMPILED_BATCH=on`, `engine/fast_decode.py` says why); llama,
+      qwen2 and qwen3 models with an unbounded KV cache, else the plain path. None: on for a
+      GPU, off on the CPU.
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):

@@ -39,8 +39,10 @@ mask is an array already), so the traced batch step takes the tokens (B,), `_idx
 the left padding as arrays, buckets the buffer by `_idx`, masks `left_padding <= position <= _idx`
 per row, and returns the logits; sampling stays per row outside the trace. One trace per
 (B, bucket): a batch size seen for the first time in a bucket traces once (tens of milliseconds on
-a large model). Padding B up a short ladder (1, 2, 4, ... 64) would bound the traces, at the price
-of computing the padding rows: not done.
+a large model), which is why the batched route takes it only when asked (`fast_decode`). Padding
+B up a short ladder (1, 2, 4, ... 64) inside `BatchDecoder` (spare rows kept in the batch cache,
+attending to their own position only) would bound the traces at the price of computing the
+spare rows: not done.
 
 Numerics: on the CPU backend (float32), greedy tokens equal the plain path's (tests). On a GPU the
 masked attention over the bucket is computed by MLX's unfused attention (its fused decode kernels

@@ -2,7 +2,10 @@
 
 - fused q/k/v and gate/up projections (`fused.fuse_projections`);
 - the decode step traced once per KV length bucket and replayed (`compiled_step.CompiledDecode`):
-  one sequence's on the serialized route, the batch's on the batched route.
+  one sequence's on the serialized route; the batch's on the batched route only with
+  `TRIO_MLX_COMPILED_BATCH=on` (experimental: the batch step is traced once per batch size and
+  bucket, and under load the batch size changes with every arrival and departure, each new one a
+  stall of one trace for every row; `bench/batch_ceiling.py` measures it at fixed sizes).
 
 `None` (the default) means on for a GPU and off on the CPU backend, where the host is not what
 limits a decode step (the device's arithmetic is; docs/benchmarks/README.md, "Compiled decode").
@@ -11,6 +14,7 @@ limits a decode step (the device's arithmetic is; docs/benchmarks/README.md, "Co
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +23,15 @@ from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
 from trio_mlx.engine.fused import fuse_projections
 
 log = logging.getLogger(__name__)
+
+
+#: Environment switch of the traced batch step (`on` / anything else: off).
+COMPILED_BATCH_ENV = "TRIO_MLX_COMPILED_BATCH"
+
+
+def compiled_batch_enabled() -> bool:
+    """Whether the batched route uses the traced batch step (see the module docstring)."""
+    return os.environ.get(COMPILED_BATCH_ENV, "").strip().lower() == "on"
 
 
 def default_compiled_decode() -> bool:
