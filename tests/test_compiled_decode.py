@@ -341,3 +341,18 @@ def test_the_other_architectures_give_the_plain_tokens(kind: str) -> None:
     assert fuse_projections(model) == 4
     decoder = CompiledDecode(model, first_bucket=16)
     assert generate(model, params, decoder, prompt, vocab=4096)[0] == plain
+
+
+def test_the_default_is_off_on_the_cpu_and_asked_for_it_fuses_and_traces(
+    tiny_model_dir: Path,
+) -> None:
+    from trio_mlx.engine.fast_decode import prepare_fast_decode
+
+    assert mx.default_device() == mx.cpu
+    model = load_model(tiny_model_dir).model
+    assert prepare_fast_decode(model, None) is None
+    assert "q_proj" in model.layers[0].self_attn  # untouched
+    assert prepare_fast_decode(model, False) is None
+    assert isinstance(prepare_fast_decode(model, True), CompiledDecode)
+    assert "qkv_proj" in model.layers[0].self_attn
+    assert prepare_fast_decode(Delegating(load_model(tiny_model_dir).model), True) is None
