@@ -353,6 +353,7 @@ class Runner:
             self._serve_on_this_thread(report_ready)
         finally:
             self._snapshots.drop_all()  # MLX arrays are released on their own thread
+            self.compiled = None  # its traces hold the model's arrays
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
