@@ -356,3 +356,25 @@ def test_the_default_is_off_on_the_cpu_and_asked_for_it_fuses_and_traces(
     assert isinstance(prepare_fast_decode(model, True), CompiledDecode)
     assert "qkv_proj" in model.layers[0].self_attn
     assert prepare_fast_decode(Delegating(load_model(tiny_model_dir).model), True) is None
+
+
+def test_after_the_warm_up_a_generation_traces_nothing(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = load_model(tiny_model_dir).model
+    decoder = CompiledDecode(model)
+    traces: list[int] = []
+    trace = decoder._trace
+
+    def counted(greedy: bool, tokens: Any, offset: Any, *arrays: Any) -> Any:
+        traces.append(arrays[0].shape[2])
+        return trace(greedy, tokens, offset, *arrays)
+
+    monkeypatch.setattr(decoder, "_trace", counted)
+    assert decoder.warm_up()
+    assert sorted(set(traces)) == [256, 512, 1024, 2048, 4096] and len(traces) == 10
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    prompt = tuple(LONG_PROMPT)  # 220 + 60: 256 -> 512
+    plain, _, _ = generate(model, params, None, prompt)
+    assert generate(model, params, decoder, prompt)[0] == plain
+    assert len(traces) == 10

@@ -184,6 +184,33 @@ class CompiledDecode:
             layer.offset = offset + 1
         return head
 
+    def warm_up(self, up_to: int = LINEAR_BUCKETS_FROM) -> bool:
+        """Trace both variants for every bucket up to `up_to` positions, and run one step of
+        each at the first bucket (so that the device's kernels for them are compiled), so that
+        no request pays for it; returns False (nothing done) when the model's fresh cache does
+        not fit the traced step. Raises whatever the trace or the step raises. Larger buckets are
+        traced on inputs never evaluated: no memory is allocated for them."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self._model)
+        if not self.fits(cache):
+            return False
+        self._model(mx.array([[0]], dtype=mx.uint32), cache=cache)
+        token = mx.array([0], dtype=mx.uint32)
+        for greedy in (True, False):
+            mx.eval(self.step(token, cache, greedy=greedy))
+        size = bucket_size(cache[0].offset + 1, self.first_bucket)
+        while size < up_to:
+            size = bucket_size(size + 1, self.first_bucket)
+            arrays = [
+                mx.zeros((*a.shape[:2], size, a.shape[3]), dtype=a.dtype)
+                for layer in cache
+                for a in (layer.keys, layer.values)
+            ]
+            for traced in (self._greedy, self._logits):
+                traced(token, mx.array(0, dtype=mx.int32), *arrays)  # traced, never evaluated
+        return True
+
     def _trace(self, greedy: bool, tokens: Any, offset: Any, *arrays: Any) -> list[Any]:
         valid = mx.arange(arrays[0].shape[2]) <= offset
         layers = [

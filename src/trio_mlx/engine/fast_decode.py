@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -41,7 +42,9 @@ def default_compiled_decode() -> bool:
 
 def prepare_fast_decode(model: Any, enabled: bool | None) -> CompiledDecode | None:
     """Apply the option to `model` (in place: fused projections) and return its traced decode
-    step, or None where it is off or the model cannot take it (logged once)."""
+    step, warmed up (`CompiledDecode.warm_up`: every bucket up to 4,096 positions traced at load,
+    not in a request), or None where it is off, the model cannot take it or the warm-up step
+    fails (logged once; the plain step serves)."""
     if enabled is None:
         enabled = default_compiled_decode()
     if not enabled:
@@ -51,5 +54,16 @@ def prepare_fast_decode(model: Any, enabled: bool | None) -> CompiledDecode | No
     if reason is not None:
         log.info("compiled decode off: %s (fused projection groups: %d)", reason, groups)
         return None
-    log.info("compiled decode on (fused projection groups: %d)", groups)
-    return CompiledDecode(model)
+    decoder = CompiledDecode(model)
+    began = time.perf_counter()
+    try:
+        decoder.warm_up()
+    except Exception:  # the traced step cannot run here: serve the plain one
+        log.exception("compiled decode off: its warm-up step failed")
+        return None
+    log.info(
+        "compiled decode on (fused projection groups: %d; traced in %.2f s)",
+        groups,
+        time.perf_counter() - began,
+    )
+    return decoder
