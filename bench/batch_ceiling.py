@@ -6,7 +6,8 @@ size, and what it would deliver (B ÷ step time), next to trio-mlx's own `BatchD
 For each B: B sequences, each with a `--context`-token KV cache (mlx-lm's `BatchKVCache`), then
 `--steps` decode steps, each `mx.eval`'d (the "bare" figure: no pipelining, no sampling but an
 argmax), and the same number of `BatchDecoder.decode()` calls (trio-mlx's batch: per-sequence
-selectors, pipelined). Aggregate tok/s = B ÷ median step time. The bare figure is the ceiling
+selectors, pipelined), plain and with `compiled_decode` (fused projections, the traced batch
+step: `compiled_decoder_*`). Aggregate tok/s = B ÷ median step time. The bare figure is the ceiling
 that the HTTP figures are held against; the decoder figure says what the batch machinery costs.
 """
 
@@ -44,14 +45,18 @@ def bare_steps(model: Any, batch: int, context: int, steps: int) -> list[float]:
     return times
 
 
-def decoder_steps(model: Any, batch: int, context: int, steps: int, vocab: int) -> list[float]:
+def decoder_steps(
+    model: Any, batch: int, context: int, steps: int, vocab: int, compiled: Any = None
+) -> list[float]:
     import mlx.core as mx
 
     from trio_mlx.engine.batch import BatchDecoder
     from trio_mlx.engine.decode import GenerationJob, PrefillPlan
     from trio_mlx.types import SamplingParams
 
-    decoder = BatchDecoder(model, frozenset(), vocab_size=vocab, plan=PrefillPlan(4096))
+    decoder = BatchDecoder(
+        model, frozenset(), vocab_size=vocab, plan=PrefillPlan(4096), compiled=compiled
+    )
     params = SamplingParams(max_tokens=10**6, temperature=0.0)
     for i in range(batch):
         decoder.add(GenerationJob(i, tuple([1] * (context + 1)), params), None, 0)
@@ -83,17 +88,30 @@ def main(argv: list[str] | None = None) -> None:
     subject = resolve_subject(args.model, Path(args.workdir))
     model, _tokenizer = mlx_lm.load(str(subject.path))
     vocab = int(model.args.vocab_size)
+    from bench.models import structural_copy
+
+    from trio_mlx.engine.compiled_step import CompiledDecode
+    from trio_mlx.engine.fused import fuse_projections
+
+    fused = structural_copy(model)  # raw mlx-lm's arrays, projections fused in the copy only
+    fuse_projections(fused)
+    compiled = CompiledDecode(fused, attention_kernel=False)
     rows = []
     for batch in [int(b) for b in args.batch.split(",")]:
         bare_steps(model, batch, args.context, 3)  # compile this shape's kernels
         bare = statistics.median(bare_steps(model, batch, args.context, args.steps))
         ours = statistics.median(decoder_steps(model, batch, args.context, args.steps, vocab))
+        traced = statistics.median(
+            decoder_steps(fused, batch, args.context, args.steps, vocab, compiled)
+        )
         row = {
             "batch": batch,
             "bare_step_ms": bare * 1e3,
             "bare_tok_s": batch / bare,
             "decoder_step_ms": ours * 1e3,
             "decoder_tok_s": batch / ours,
+            "compiled_decoder_step_ms": traced * 1e3,
+            "compiled_decoder_tok_s": batch / traced,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

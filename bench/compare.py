@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -683,7 +684,7 @@ async def run_model(
     spec: str, args: argparse.Namespace, deadline: float, report: dict[str, Any]
 ) -> None:
     import trio
-    from bench.models import resolve_subject
+    from bench.models import resolve_subject, structural_copy
 
     import trio_mlx
     from trio_mlx.config import SERVER_PROCESS_SETTINGS
@@ -761,7 +762,9 @@ async def run_model(
                 )
 
         def shared_loader(_spec: object) -> Any:
-            return loaded  # the weights raw mlx-lm uses: evaluated arrays, safe across threads
+            # The weights raw mlx-lm uses (evaluated arrays, safe across threads), in a module
+            # tree of the engine's own: its compiled decode fuses projections in place.
+            return dataclasses.replace(loaded, model=structural_copy(loaded.model))
 
         model_report["engine_weights"] = "own copy" if args.engine_own_weights else "shared"
 

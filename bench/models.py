@@ -20,6 +20,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {
@@ -150,6 +151,26 @@ def build_dequantized(source: Path, out: Path, dtype: str) -> Path:
             shutil.copy(source / name, out / name)
     (out / "partial.safetensors").rename(out / "model.safetensors")
     return out
+
+
+def structural_copy(module: Any) -> Any:
+    """A copy of an `mlx.nn.Module` tree whose modules are new objects and whose arrays are the
+    same: changing the copy's structure in place (trio-mlx's `compiled_decode` fuses projections
+    at load) leaves the original's untouched, for no memory."""
+    import copy
+
+    import mlx.nn as nn
+
+    if isinstance(module, nn.Module):
+        new = copy.copy(module)
+        for key, value in module.items():
+            dict.__setitem__(new, key, structural_copy(value))
+        return new
+    if isinstance(module, list):
+        return [structural_copy(v) for v in module]
+    if isinstance(module, dict):
+        return {k: structural_copy(v) for k, v in module.items()}
+    return module
 
 
 def _tokenizer_dir() -> Path | None:

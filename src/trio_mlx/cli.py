@@ -229,6 +229,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: 1024 on CUDA, 64 on another GPU, else 1)",
     )
     parser.add_argument(
+        "--compiled-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fuse q/k/v and gate/up projections and decode through a traced step replayed per "
+        "KV length bucket; experimental, not yet measured on a GPU (default: off)",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=int,
         default=None,

@@ -64,6 +64,11 @@ class EngineConfig:
       (speculative decoding, lossless: `engine/speculative.py`). On the batched route it drafts
       only while one sequence decodes. Cannot be combined with `max_kv_size` (a rotating cache
       cannot be cut back after a refused draft). None: no draft.
+    - `compiled_decode`: fuse each layer's q/k/v and gate/up projections at load, and decode
+      through a step traced once per KV length bucket and replayed (the serialized route; the
+      batched route with `TRIO_MLX_COMPILED_BATCH=on`, `engine/fast_decode.py` says why); llama,
+      qwen2 and qwen3 models with an unbounded KV cache and no draft model, else the plain path.
+      None: off for now (checked token for token on the CPU, not yet measured on a GPU).
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):
@@ -89,6 +94,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     kv_memory_bytes: int | None = None
     prefill_chunk_seconds: float = 0.25
+    compiled_decode: bool | None = None
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None
     force_mllm: bool = False

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.engine.batch import BatchDecoder, BatchSequence
+from trio_mlx.engine.fast_decode import compiled_batch_enabled
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.types import FinishReason
 
@@ -60,6 +61,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         plan=plan,
         max_kv_size=runner._max_kv_size,
         split_at_store_points=not (support is not None and support.trimmable),
+        compiled=runner.compiled if compiled_batch_enabled() else None,
     )
     counters = runner.counters
     pacer = runner.pacer

@@ -76,7 +76,9 @@ from trio_mlx.actors.runner_threads import (
 )
 from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
+from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
+from trio_mlx.engine.fast_decode import prepare_fast_decode
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
@@ -180,6 +182,7 @@ class Runner:
         max_kv_size: int | None = None,
         max_num_seqs: int = 1,
         prefill_chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
+        compiled_decode: bool | None = None,
         loader: ModelLoader = load_model,
         draft_model: str | Path | None = None,
         num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
@@ -199,6 +202,9 @@ class Runner:
         self._prefill_options = (prefill_step_size, fused_tail_tokens, prefill_block)
         self._prefill_plan = PrefillPlan(prefill_step_size)  # chosen again once a model is loaded
         self._max_kv_size = max_kv_size
+        self._compiled_option = compiled_decode
+        #: the model's traced decode step (`fast_decode`), None when off or unsupported
+        self.compiled: CompiledDecode | None = None
         self._loader = loader
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()  # set whenever a command is queued, or to stop
@@ -366,6 +372,7 @@ class Runner:
             self._serve_on_this_thread(report_ready)
         finally:
             self._snapshots.drop_all()  # MLX arrays are released on their own thread
+            self.compiled = None  # its traces hold the model's arrays
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
@@ -378,6 +385,11 @@ class Runner:
         self._loaded.set()
         if self._stop.is_set():  # cancelled while loading: nobody waits for this model
             return
+        if draft is not None and self._compiled_option:
+            log.info("compiled decode off: a draft model verifies several tokens a step")
+        # With a draft, decode steps are the speculator's (several tokens a pass): no traced step.
+        compiled_option = False if draft is not None else self._compiled_option
+        self.compiled = prepare_fast_decode(loaded.model, compiled_option)
         info = describe(loaded, self._max_kv_size)
         step, tail, block = self._prefill_options
         self._prefill_plan = PrefillPlan.choose(
@@ -540,7 +552,7 @@ class Runner:
                 rewindable = not job.logits_processors and job.grammar is None
                 speculator = self.speculator if rewindable else None
                 make = (
-                    ActiveSequence
+                    partial(ActiveSequence, compiled=self.compiled)
                     if speculator is None
                     else partial(SpeculativeSequence, speculator)
                 )

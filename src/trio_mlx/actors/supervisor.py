@@ -66,6 +66,7 @@ async def _serve(
         max_kv_size=cfg.max_kv_size,
         max_num_seqs=max_num_seqs,
         prefill_chunk_seconds=cfg.prefill_chunk_seconds,
+        compiled_decode=cfg.compiled_decode,
         loader=loader,
         draft_model=cfg.draft_model,
         num_draft_tokens=cfg.num_draft_tokens,

@@ -10,6 +10,9 @@ runner thread only.
   cache classes' `merge` / `extend` / `filter` / `extract`), and their last prompt token is their
   input to the next step, whose logits give their first token.
 
+With `compiled` (the model's `compiled_step.CompiledDecode`) the batch's forward pass is the
+traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits`).
+
 `decode()` is one step for every row: rows removed since the last step (finished, aborted,
 failed) leave the batch (`filter`); the next step's forward pass is queued on the device
 (`mx.async_eval`); then the previous step's tokens are read and returned. So the device computes
@@ -50,6 +53,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import (
     GenerationJob,
     LogitsProcessor,
@@ -244,8 +248,10 @@ class BatchDecoder:
         plan: PrefillPlan,
         max_kv_size: int | None = None,
         split_at_store_points: bool = True,
+        compiled: CompiledDecode | None = None,
     ) -> None:
         self._model = model
+        self._compiled = compiled  # the traced batch step, where the batch's cache fits it
         self._eos = eos_token_ids
         self._vocab = vocab_size
         self._plan = plan
@@ -335,7 +341,10 @@ class BatchDecoder:
             if seq.pending is not None:
                 seq.fed_generated.append(seq.pending)
                 seq.pending = None
-        logits = self._model(self._inputs[:, None], cache=self._cache)[:, -1, :]
+        if self._compiled is not None and self._compiled.batch_fits(self._cache):
+            logits = self._compiled.batch_logits(self._inputs, self._cache)
+        else:
+            logits = self._model(self._inputs[:, None], cache=self._cache)[:, -1, :]
         self.steps += 1
         if self.steps % 256 == 0:
             mx.clear_cache()

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
+from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.structured.compiler import CompiledGrammar
@@ -200,6 +201,8 @@ class ActiveSequence:
     own. Otherwise a fresh cache is made (`prompt_cache.make_cache`, bounded by `max_kv_size`).
     `prefill` says how the prompt is cut (`PrefillPlan`); with a block, a restored cache must hold
     a multiple of it, and the cache must be trimmable (no `split_at_store_points`).
+    `compiled`: the model's traced decode step (`compiled_step`); one-token forward passes use it
+    when the cache fits it (`CompiledDecode.fits`), prefill never does.
     """
 
     def __init__(
@@ -214,6 +217,7 @@ class ActiveSequence:
         cache: list[Any] | None = None,
         cached_tokens: int = 0,
         split_at_store_points: bool = True,
+        compiled: CompiledDecode | None = None,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
@@ -251,6 +255,9 @@ class ActiveSequence:
         # `_current` is built but not yet queued on the device (the first token's successor:
         # see `_decode_one`); the next step queues it.
         self._current_unqueued = False
+        self._compiled = compiled  # None once the cache turns out not to fit it
+        self._fits_checked = False
+        self._params = job.params
         self.generated = 0
         self.finished = False
 
@@ -325,17 +332,41 @@ class ActiveSequence:
         return self._decode_one(prefilled=0)
 
     def _forward(self, tokens: Any, position: int = -1) -> PendingToken:
-        raw = self._logits(tokens, position)
+        compiled = self._compiled_for(tokens)
+        if (
+            compiled is not None
+            and self._grammar is None
+            and not (self._processors or self._selector.adjusts_logits or self._params.logprobs)
+            and self._selector.batch_greedy
+        ):  # plain greedy: the argmax is part of the trace
+            return PendingToken(compiled.step(tokens, self._cache, greedy=True))
+        raw = self._logits(tokens, position, compiled)
         if self._grammar is not None:
             mx.async_eval(raw)  # the device runs the pass while the host computes the mask
         return self._select(raw)
 
-    def _logits(self, tokens: Any, position: int = -1) -> Any:
-        return self._model(tokens[None], cache=self._cache)[:, position, :]
+    def _compiled_for(self, tokens: Any) -> CompiledDecode | None:
+        """The traced step, when it can take this pass (one token, a cache it fits, not empty)."""
+        compiled = self._compiled if tokens.shape[0] == 1 else None
+        if compiled is not None and not self._fits_checked:
+            self._fits_checked = True  # a cache's layer classes never change
+            if not compiled.fits(self._cache):
+                compiled = self._compiled = None
+        if compiled is not None and self._cache[0].keys is None:
+            compiled = None  # nothing cached yet (a one-token prompt): a plain pass first
+        return compiled
+
+    def _logits(
+        self, tokens: Any, position: int = -1, compiled: CompiledDecode | None = None
+    ) -> Any:
+        if compiled is None:
+            return self._model(tokens[None], cache=self._cache)[:, position, :]
+        return compiled.step(tokens, self._cache, greedy=False)
 
     def _select(self, raw: Any) -> PendingToken:
         """The token chosen from `raw` logits: processors, bias and penalties, the grammar's
         mask, then the sampler."""
+        params = self._params
         logits = raw
         if self._processors:
             for processor in self._processors:
@@ -347,7 +378,6 @@ class ActiveSequence:
         token = self._selector.choose(logits)
         if self._processors:
             self._history = mx.concatenate([self._history, token.astype(mx.int32)])
-        params = self.job.params
         if not params.logprobs:
             return PendingToken(token)
         chosen, ids, values = logprob_arrays(raw, token, params.top_logprobs)
@@ -401,7 +431,7 @@ class ActiveSequence:
         first = prefilled > 0
         raw = None
         if not last_one:
-            raw = self._logits(current.token)
+            raw = self._logits(current.token, -1, self._compiled_for(current.token))
             if not first:
                 mx.async_eval(raw)
         token = int(current.token.item())

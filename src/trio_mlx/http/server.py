@@ -194,6 +194,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_kv_size": args.max_kv_size,
         "max_num_seqs": getattr(args, "max_num_seqs", None),
         "prefill_chunk_seconds": getattr(args, "prefill_chunk_seconds", 0.25),
+        "compiled_decode": getattr(args, "compiled_decode", None),
     }
     engine_options["force_mllm"] = bool(getattr(args, "mllm", False))
     engine_options["media"] = media_policy_from_args(args)
