@@ -8,9 +8,11 @@ chi-square test on a small vocabulary, seeded).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import mlx.core as mx
 import pytest
 import trio
@@ -20,6 +22,7 @@ from servers import eventually
 from tiny_model import build_other_tokenizer_copy, build_perturbed_copy, build_tiny_model
 from trio_mlx.engine.speculative import accept_drafts
 from trio_mlx.errors import ModelLoadError
+from trio_mlx.structured import OutputFormat
 
 PROMPTS = [
     "Hello there, how",
@@ -346,3 +349,41 @@ async def test_padded_attention_verification_gives_the_targets_greedy_output(
         stats = speculation(engine)
     assert [o.tokens for o in outputs] == [o.tokens for o in expected]
     assert 0.0 < stats["acceptance_rate"] < 1.0
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "population": {"type": "integer", "minimum": 0, "maximum": 40000000},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["name", "population", "capital"],
+    "additionalProperties": False,
+}
+
+
+@ROUTES
+async def test_a_constrained_request_decodes_without_the_draft_and_as_without_one(
+    tiny_model_dir: Path, near_draft_dir: Path, max_num_seqs: int
+) -> None:
+    """A grammar's state cannot be rewound, so a request under an output format never
+    speculates (`Runner._take_commands`, `Batch.can_speculate`): its output is schema-valid and
+    the same as on an engine without a draft, and no token is drafted for it."""
+    fmt = OutputFormat.json_schema(CITY_SCHEMA)
+    sampling: dict[str, Any] = {"max_tokens": 120, "temperature": 0.0, "output_format": fmt}
+    expected = await plain_outputs(tiny_model_dir, PROMPTS, **sampling)
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=max_num_seqs, draft_model=near_draft_dir, num_draft_tokens=3
+    ) as engine:
+        outputs = [await engine.generate(p, **sampling) for p in PROMPTS]
+        constrained = dict(speculation(engine))
+        plain = await engine.generate(PROMPTS[0], max_tokens=24, temperature=0.0)
+        after = speculation(engine)
+    assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+    for out in outputs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), CITY_SCHEMA)
+    assert constrained["drafted_tokens"] == 0
+    # The draft is live for a plain request on the same engine.
+    assert plain.completion_tokens == 24 and after["drafted_tokens"] > 0

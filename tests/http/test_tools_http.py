@@ -213,7 +213,12 @@ async def test_tool_choice_required_and_named_are_checked_and_stated(scripted: S
             with pytest.raises(openai.BadRequestError) as refused:
                 await client.chat.completions.create(model="tiny", messages=ASK, **bad)
             assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
-        scripted.will_reply(TIME_CALL, CALL)
+        # Forced calls are written as the grammar's JSON (an array: parallel calls are allowed),
+        # not in the template's markup.
+        scripted.will_reply(
+            '[{"name": "get_time", "arguments": {}}]',
+            '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        )
         named = await client.chat.completions.create(
             model="tiny",
             messages=ASK,
@@ -228,6 +233,11 @@ async def test_tool_choice_required_and_named_are_checked_and_stated(scripted: S
     assert named.choices[0].message.tool_calls is not None
     assert named.choices[0].message.tool_calls[0].function.name == "get_time"
     assert required.choices[0].finish_reason == "tool_calls"
+    assert required.choices[0].message.content is None
+    assert required.choices[0].message.tool_calls is not None
+    assert json.loads(required.choices[0].message.tool_calls[0].function.arguments) == {
+        "city": "Paris"
+    }
 
 
 async def test_responses_function_call_loop(scripted: Scripted) -> None:

@@ -168,8 +168,8 @@ async def chat_completions(
     if body.thinking_token_budget is not None:
         options["thinking_token_budget"] = body.thinking_token_budget
     output_format = chat_output_format(body.response_format)
-    if output_format is not None:
-        options["output_format"] = output_format
+    if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
+        options.setdefault("output_format", output_format)  # its reply has no content
     prepared = await prepare_async(
         lambda: engine.prepare_chat_async(
             plan.messages,

@@ -152,8 +152,8 @@ async def start_response(
     )
     options = body.sampling_options() | plan.options
     output_format = responses_output_format(body.text.format if body.text else None)
-    if output_format is not None:
-        options["output_format"] = output_format
+    if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
+        options.setdefault("output_format", output_format)  # its reply has no content
     try:
         prepared = await prepare_async(
             lambda: engine.prepare_chat_async(

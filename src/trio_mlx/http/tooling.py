@@ -14,10 +14,21 @@ how its reply is read (a `ToolPlan`):
   `fallback_syntax`), earlier calls and results are written in the Hermes format, and the reply
   is read by the Hermes parser (or the named one).
 - `tool_choice: "required"` or a named function: checked against the tools (an unknown name is a
-  400 on `tool_choice`), stated in the prompt, and passed to `forced_tool_calls_format`.
+  400 on `tool_choice`), stated in the prompt, and ENFORCED: the plan's options carry the
+  grammar of `forced_tool_calls_format` as the request's `output_format`, so the model can only
+  write a call of an allowed function (`{"name": ..., "arguments": {...}}`, an array of them when
+  `parallel_tool_calls` is not false) whose arguments are valid against that function's
+  parameters schema. That JSON is never content: the plan's reader is a `ForcedCallReader`.
 
 `CallReader` reads one reply, whole or streamed, and keeps only the first call when
-`parallel_tool_calls` is false.
+`parallel_tool_calls` is false; `ForcedCallReader` is the same interface over the forced JSON
+(`tools.forced`). The routes (chat completions, Responses, Anthropic messages) use either one
+the same way, through `ToolPlan.reader()`.
+
+A forced reply cut short by `max_tokens` ends with finish reason "length" (Responses:
+`incomplete`). Whole, it carries only the calls whose JSON is complete (none for a single call):
+no call with broken arguments. Streamed, the call deltas sent before the cut stay sent (the
+arguments of the last one then do not parse: the finish reason says why), as OpenAI does.
 """
 
 from __future__ import annotations
@@ -27,8 +38,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trio_mlx.errors import InvalidRequest
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.objects import ChatDelta, FunctionCallDelta, ToolCallDelta
+from trio_mlx.structured.tool_choice import forced_tool_calls_format as structured_forced_format
 from trio_mlx.tools import (
     ArgumentsAppended,
     CallStarted,
@@ -49,6 +62,7 @@ from trio_mlx.tools.fallback import (
     result_as_text,
     tools_system_prompt,
 )
+from trio_mlx.tools.forced import ForcedCallStream
 from trio_mlx.tools.harmony import HarmonyFormat
 from trio_mlx.tools.hermes import HermesFormat
 
@@ -103,16 +117,22 @@ def forced_tool_calls_format(
     forced: str,
     *,
     parallel: bool,
-    call_format: ToolFormat,
+    call_format: ToolFormat | None = None,
 ) -> dict[str, Any]:
     """Generation options that make the reply a call of the tools `forced` demands ("required":
-    any of them; else the function of that name) in `call_format`'s markup, with arguments that
-    match the function's JSON Schema: the one place where `tool_choice` "required" and named
-    reach the sampler. Enforced by constrained decoding when `trio_mlx.structured` is present
-    (its `tool_choice` grammar, as logits processors in the returned options); in this build no
-    grammar engine is installed, so it returns no options, the demand is stated in the prompt
-    (`plan_tools`), and the reply is read as under "auto"."""
-    return {}
+    any of them; else the function of that name), with arguments that match the function's JSON
+    Schema: the one place where `tool_choice` "required" and named reach the sampler. The
+    options are `{"output_format": ...}`, the grammar of `structured.forced_tool_calls_format`
+    (one call, or with `parallel` a non-empty array of calls); the model writes the call as that
+    JSON whatever `call_format` its template uses, and `ForcedCallReader` reads it. A tool whose
+    parameters are not a schema object is a 400 naming it (`tools[i].function.parameters`).
+    `tokenizer` and `call_format` are not needed by the grammar (it is compiled per tokenizer
+    when the request is prepared)."""
+    try:
+        grammar = structured_forced_format(tools, forced, parallel, param="tool_choice")
+    except InvalidRequest as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
+    return {"output_format": grammar}
 
 
 @dataclass(frozen=True)
@@ -132,6 +152,10 @@ class ToolPlan:
     options: dict[str, Any] = field(default_factory=dict)
 
     def reader(self) -> CallReader | None:
+        """A fresh reader of one reply (None: the reply is all content). A forced call (the
+        grammar in `options`) is read as the forced JSON, whatever `call_format` is."""
+        if self.forced is not None and "output_format" in self.options:
+            return ForcedCallReader(self.parallel)
         return None if self.call_format is None else CallReader(self.call_format, self.parallel)
 
 
@@ -179,7 +203,7 @@ def plan_tools(
         call_format = chosen(tools)
         plan_tools_list = None
     options: dict[str, Any] = {}
-    if forced is not None and call_format is not None:
+    if forced is not None:
         options = forced_tool_calls_format(
             tokenizer, tools, forced, parallel=parallel, call_format=call_format
         )
@@ -308,6 +332,28 @@ class CallReader:
                     self.calls += 1
             kept.append(event)
         return kept
+
+
+class ForcedCallReader(CallReader):
+    """`CallReader` for a reply generated under the forced tool-call grammar
+    (`forced_tool_calls_format`): the reply is calls only, never content. `calls` counts the
+    complete calls (their JSON closed), so a reply cut inside its first call made none; `parse`
+    leaves a call cut short out."""
+
+    def __init__(self, parallel: bool) -> None:
+        self._forced = ForcedCallStream()
+        self._stream = self._forced
+        self._parallel = parallel
+        self.calls = 0
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        events = self._keep(self._forced.feed(text)) if text else []
+        self.calls = self._forced.complete if self._parallel else min(self._forced.complete, 1)
+        return events
+
+    def parse(self, text: str) -> ParsedOutput:
+        parsed = collect([*self.feed(text), *self.finish()])
+        return ParsedOutput("", parsed.calls[: self.calls], parsed.reasoning)
 
 
 def chat_deltas(events: Sequence[ToolEvent]) -> list[ChatDelta]:
