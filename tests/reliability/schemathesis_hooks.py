@@ -8,7 +8,9 @@ on the server's settings, which a static document cannot state:
 - `max_tokens` (or `max_completion_tokens`, `max_output_tokens`) above the server's
   `--max-tokens` (TRIO_MLX_ST_MAX_TOKENS here);
 - token ids (`prompt`, `logit_bias` keys) outside the model's vocabulary;
-- an earlier turn's `reasoning_content` that the model's chat template does not render.
+- an earlier turn's `reasoning_content` that the model's chat template does not render;
+- a `tool_choice` naming a tool that is not among the request's `tools` (or needing tools when
+  there are none), and two tools of one name.
 
 Each of them is a 400 whose `param` names the field and whose message says which limit (under
 /v1/messages, Anthropic's error shape: the field leads the message); any other refusal of valid
@@ -58,9 +60,15 @@ def depends_on_model_or_settings(response: Response) -> bool:
         return True
     if str(param).endswith(".reasoning_content") and "does not render reasoning" in message:
         return True
-    # `tool_choice` naming a function, or "required": which functions exist is the request's
-    # own `tools`, which a schema cannot tie it to.
-    if param == "tool_choice" and ("not among the tools" in message or "needs tools" in message):
+    # `tool_choice` naming a function, or "required" (Anthropic's `any`): which functions exist
+    # is the request's own `tools`, which a schema cannot tie it to (under /v1/messages the
+    # field is `tool_choice.name` or `tool_choice.type`). Nor can it say that tool names are
+    # unique (only whole items).
+    if str(param).startswith("tool_choice") and (
+        "not among the tools" in message or "needs tools" in message
+    ):
+        return True
+    if str(param).startswith("tools.") and "tool names must be unique" in message:
         return True
     return param in ("prompt", "logit_bias") and "vocabulary" in message
 
