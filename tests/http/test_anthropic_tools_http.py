@@ -6,6 +6,7 @@ Hermes `<tool_call>` format, as on the OpenAI routes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -20,6 +21,7 @@ import trio
 from idle import wait_until_idle
 from model_wrappers import ScriptedReplies, wrapping_loader
 from servers import running_server
+from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.http.server import RunningServer
 
 WEATHER = {
@@ -331,3 +333,88 @@ async def test_leaving_a_tool_use_stream_aborts_it_and_frees_the_slot(scripted: 
             after = await claude.messages.create(**{**ask, "max_tokens": 8})
     assert after.stop_reason == "end_turn"
     assert after.content[0].type == "text" and after.content[0].text == "Done."
+
+
+async def test_with_batching_a_tool_stream_gone_leaves_the_message_beside_it_whole(
+    tiny_model_dir: Path,
+) -> None:
+    other: Any = {
+        "model": "tiny",
+        "max_tokens": 40,
+        "messages": [{"role": "user", "content": "Tell me about Paris."}],
+        "tools": TOOLS,
+        "extra_body": {"temperature": 0},
+    }
+    async with running_server(
+        tiny_model_dir, served_model_names=("tiny",), max_num_seqs=2
+    ) as server:
+        engine = server.state.engine
+        assert engine is not None
+        async with anthropic.AsyncAnthropic(
+            base_url=server.url, api_key="unused", max_retries=0, timeout=60
+        ) as claude:
+            alone = await claude.messages.create(**other)
+            before = engine.get_stats()["runner"]
+            result: dict[str, Any] = {}
+
+            async def leaver() -> None:
+                async with claude.messages.stream(**{**other, "max_tokens": 600}) as stream:
+                    seen = 0
+                    async for _text in stream.text_stream:
+                        seen += 1
+                        if seen == 3:
+                            break
+
+            async def stayer() -> None:
+                result["reply"] = await claude.messages.create(**other)
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(leaver)
+                    nursery.start_soon(stayer)
+            stats = await wait_until_idle(engine)
+    assert stats["runner"]["aborted"] == before["aborted"] + 1
+    assert max(int(size) for size in stats["runner"]["batch_sizes"]) > 1  # they ran together
+    reply = result["reply"]
+    assert reply.usage.output_tokens == alone.usage.output_tokens == 40
+    assert reply.content == alone.content and reply.stop_reason == alone.stop_reason
+
+
+async def test_a_thinking_model_s_call_comes_after_its_thinking_block(
+    tiny_model_dir: Path,
+) -> None:
+    made: list[ScriptedReplies] = []
+
+    def loader(spec: str | Path | None) -> LoadedModel:
+        loaded = load_model(spec)
+        tokenizer = loaded.tokenizer
+        tokenizer._think_start, tokenizer._think_end = "<think>", "</think>"
+        tokenizer._think_start_tokens = tuple(tokenizer.encode("<think>", add_special_tokens=False))
+        tokenizer._think_end_tokens = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+        made.append(ScriptedReplies(loaded.model))
+        return dataclasses.replace(loaded, model=made[0])
+
+    async with running_server(
+        tiny_model_dir,
+        loader=loader,
+        served_model_names=("tiny",),
+        max_num_seqs=1,
+        fused_tail_tokens=1,
+        cache_memory_bytes=0,
+        prefill_chunk_seconds=30.0,
+    ) as server:
+        made[0].armed = True
+        scripted = Scripted(server, made[0])
+        reply = "<think>The user wants the weather.</think>" + CALL
+        scripted.will_reply(reply, reply)
+        ask: Any = {"model": "tiny", "max_tokens": 64, "messages": ASK, "tools": TOOLS}
+        async with scripted.client() as claude:
+            whole = await claude.messages.create(**ask)
+            async with claude.messages.stream(**ask) as stream:
+                final = await stream.get_final_message()
+    assert [b.type for b in whole.content] == ["thinking", "tool_use"]
+    thinking, call = whole.content
+    assert thinking.type == "thinking" and thinking.thinking == "The user wants the weather."
+    assert call.type == "tool_use" and call.input == {"city": "Paris"}
+    assert whole.stop_reason == "tool_use"
+    assert without_ids(final) == without_ids(whole)
