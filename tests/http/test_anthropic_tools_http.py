@@ -120,7 +120,7 @@ async def test_a_full_tool_loop_use_result_answer(scripted: Scripted) -> None:
         }
         history: Any = [
             *ASK,
-            {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+            {"role": "assistant", "content": first.content},  # as Anthropic's docs send it back
             {"role": "user", "content": [result]},
         ]
         second = await claude.messages.create(
