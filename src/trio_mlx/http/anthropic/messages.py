@@ -31,7 +31,13 @@ from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.anthropic import tools
 from trio_mlx.http.anthropic.blocks import ContentWriter
 from trio_mlx.http.anthropic.conversation import Conversation, conversation
-from trio_mlx.http.anthropic.objects import Message, MessageUsage, StopReason, TokenCount
+from trio_mlx.http.anthropic.objects import (
+    Message,
+    MessageUsage,
+    StopReason,
+    TokenCount,
+    ToolUseBlock,
+)
 from trio_mlx.http.anthropic.requests import CountTokensRequest, MessagesRequest
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import (
@@ -81,6 +87,7 @@ def _planned(state: ServerState, body: CountTokensRequest) -> tuple[Conversation
 
 
 def _name_fields(exc: APIError, chat: Conversation, plan: ToolPlan) -> None:
+    """Name the request's own field in an error about what the engine was given."""
     if exc.param in _PARAMS:
         exc.param = _PARAMS[exc.param]
     else:
@@ -207,10 +214,22 @@ class MessageRun:
         blocks = ContentWriter()
         blocks.feed(self.events(whole))
         blocks.finish()
+        content = blocks.content()
+        if self.reader is not None:  # only the calls the reader counts whole (a forced reply
+            # cut short leaves its last call out; a stream has sent its pieces already)
+            complete = self.reader.calls
+            kept = []
+            for block in content:
+                if isinstance(block, ToolUseBlock):
+                    if complete == 0:
+                        continue
+                    complete -= 1
+                kept.append(block)
+            content = kept
         return Message(
             id=self.id,
             model=self.model,
-            content=blocks.content(),
+            content=content,
             stop_reason=self.stop_reason(final, blocks.calls),
             stop_sequence=final.stop_sequence,
             usage=MessageUsage.of(final),

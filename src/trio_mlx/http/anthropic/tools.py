@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from trio_mlx.http.anthropic.requests import CountTokensRequest
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.tooling import ToolPlan, plan_tools
+
+_FUNCTION_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
 
 
 def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
@@ -91,4 +94,8 @@ def plan(
     """The `ToolPlan` of a Messages request whose template messages are `messages`."""
     tools = chat_tools(body)
     choice, parallel = chat_tool_choice(body)
-    return plan_tools(messages, tools, choice, parallel, tokenizer=tokenizer, parser=parser)
+    try:
+        return plan_tools(messages, tools, choice, parallel, tokenizer=tokenizer, parser=parser)
+    except APIError as exc:  # about a tool's schema, in the chat shape: the request's field
+        exc.param = _FUNCTION_PARAMETERS.sub(r"tools[\1].input_schema", exc.param or "") or None
+        raise
