@@ -242,7 +242,10 @@ async def test_tool_choice_any_and_tool_ask_for_a_call_and_none_offers_nothing(
         none = await claude.messages.create(**ask, tool_choice={"type": "none"})
         assert TOOL_PROMPT not in scripted.prompt()
     assert anyone.stop_reason == named.stop_reason == auto.stop_reason == "tool_use"
-    assert [b.name for b in named.content if b.type == "tool_use"] == ["get_time"]
+    # (Where forcing is enforced by a grammar, the forced reply is the grammar's JSON whatever
+    # the script says: what holds either way is that the calls are of the tools demanded.)
+    assert {b.name for b in anyone.content if b.type == "tool_use"} <= {"get_weather", "get_time"}
+    assert {b.name for b in named.content if b.type == "tool_use"} == {"get_time"}
     # Nothing offered, nothing read: the markup stays text.
     assert none.stop_reason == "end_turn"
     assert [(b.type, getattr(b, "text", None)) for b in none.content] == [("text", CALL)]
@@ -264,10 +267,13 @@ async def test_disable_parallel_tool_use_keeps_one_call(scripted: Scripted) -> N
             streamed = await stream.get_final_message()
         assert "one of the functions, one call only." in scripted.prompt()
     assert [b.type for b in parallel.content] == ["tool_use", "tool_use"]
+    assert [(b.type, getattr(b, "name", None)) for b in single.content] == [
+        ("tool_use", "get_weather")
+    ]
+    # Forced (`any`): one call of one of the tools, whichever way forcing is done.
+    assert [b.type for b in streamed.content] == ["tool_use"]
+    assert getattr(streamed.content[0], "name", None) in ("get_weather", "get_time")
     for message in (single, streamed):
-        assert [(b.type, getattr(b, "name", None)) for b in message.content] == [
-            ("tool_use", "get_weather")
-        ]
         assert message.stop_reason == "tool_use"
 
 
