@@ -5,6 +5,7 @@ every error in Anthropic's shape with the OpenAI routes' status codes."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import threading
@@ -17,6 +18,7 @@ import httpx
 import pytest
 import trio
 
+from media_samples import png
 from model_wrappers import FaultyModel, GatedModel, ScriptedModel, wrapping_loader
 from servers import eventually, running_server
 from trio_mlx.actors.engine import Engine
@@ -26,6 +28,14 @@ from trio_mlx.http.server import RunningServer
 SYSTEM = "You are terse."
 USER = [{"role": "user", "content": "Name a colour."}]
 GREEDY = {"temperature": 0}  # not a keyword of the client's create(): sent as extra_body
+PNG_BLOCK = {
+    "type": "image",
+    "source": {
+        "type": "base64",
+        "media_type": "image/png",
+        "data": base64.b64encode(png(0)).decode(),
+    },
+}
 
 
 def claude_for(server: RunningServer) -> anthropic.AsyncAnthropic:
@@ -340,16 +350,30 @@ async def test_client_errors_raise_the_sdk_s_classes_with_anthropic_types(
     cases: list[tuple[dict[str, Any], str]] = [
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "messages.0.content.0.type: ",
+            "messages.0.content.0.source.type: ",
+        ),
+        (  # a text-only model refuses an image, naming the block's source
+            {"messages": [*USER, {"role": "user", "content": [PNG_BLOCK]}]},
+            "messages.1.content.0.source: ",
         ),
         (
             {"messages": [*USER, {"role": "assistant", "content": [{"type": "tool_use"}]}]},
-            "messages.1.content.0.type: ",
+            "messages.1.content.0.id: ",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t"}]}]},
+            "messages.0.content.0.type: ",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "document"}]}]},
+            "messages.0.content.0.type: ",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content."),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role: "),
         ({"messages": []}, "messages: "),
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools: "),
+        ({"tools": [{"name": "f"}]}, "tools.0.input_schema: "),
+        ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools.0.input_schema."),
+        ({"tools": [{"name": "no spaces", "input_schema": {"type": "object"}}]}, "tools.0.name: "),
         ({"tool_choice": {"type": "any"}}, "tool_choice.type: "),
         ({"max_tokens": 0}, "max_tokens: "),
         ({"stop_sequences": [""]}, "stop_sequences.0: "),

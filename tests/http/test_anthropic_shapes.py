@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from trio_mlx.http.anthropic.blocks import delta_event, event
 from trio_mlx.http.anthropic.errors import anthropic_error, dotted, is_messages_path
 from trio_mlx.http.anthropic.objects import ContentBlockDeltaEvent, TextDelta, ThinkingDelta
-from trio_mlx.http.anthropic.stream import delta_event, event
 
 
 @pytest.mark.parametrize("text", ["plain", ' "quoted" \\ ', "naïve 日本 🙂", "\n\t\x00", ""])

@@ -12,6 +12,8 @@ on the server's settings, which a static document cannot state:
 - a JSON schema (`response_format`, `text.format`) that the grammar library cannot compile
   (code `invalid_output_format`): which schemas it can enforce is the library's, not the
   document's.
+- a `tool_choice` naming a tool that is not among the request's `tools` (or needing tools when
+  there are none), and two tools of one name.
 
 Each of them is a 400 whose `param` names the field and whose message says which limit (under
 /v1/messages, Anthropic's error shape: the field leads the message); any other refusal of valid
@@ -61,9 +63,15 @@ def depends_on_model_or_settings(response: Response) -> bool:
         return True
     if str(param).endswith(".reasoning_content") and "does not render reasoning" in message:
         return True
-    # `tool_choice` naming a function, or "required": which functions exist is the request's
-    # own `tools`, which a schema cannot tie it to.
-    if param == "tool_choice" and ("not among the tools" in message or "needs tools" in message):
+    # `tool_choice` naming a function, or "required" (Anthropic's `any`): which functions exist
+    # is the request's own `tools`, which a schema cannot tie it to (under /v1/messages the
+    # field is `tool_choice.name` or `tool_choice.type`). Nor can it say that tool names are
+    # unique (only whole items).
+    if str(param).startswith("tool_choice") and (
+        "not among the tools" in message or "needs tools" in message
+    ):
+        return True
+    if str(param).startswith("tools.") and "tool names must be unique" in message:
         return True
     if param in ("response_format", "text.format") and code == "invalid_output_format":
         return True

@@ -2,8 +2,11 @@
 `POST /v1/messages/count_tokens`, in Anthropic's request, response, event and error shapes.
 
 - `requests`: the request bodies; `objects`: the responses, stream events and errors;
-- `conversation`: `system` and `messages` as the chat template takes them (prefill included);
+- `conversation`: `system` and `messages` as the chat template takes them (prefill, tool_use and
+  tool_result blocks, image blocks for the multimodal path included);
+- `tools`: `tools` and `tool_choice` on the OpenAI routes' tool machinery (`http/tooling.py`);
 - `messages`: preparing and admitting a request, the final message, token counts;
+- `blocks`: an answer's content blocks (text, thinking, tool_use), whole and as stream events;
 - `stream`: the SSE event sequence; `errors`: the server's errors in Anthropic's shape.
 
 `x-api-key`, `anthropic-version` and `anthropic-beta` headers are accepted and not required.

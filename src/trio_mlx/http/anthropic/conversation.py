@@ -4,71 +4,169 @@
 - A message's text blocks are joined by newlines, as the OpenAI chat route joins content parts.
 - Consecutive turns of one role are merged into one turn (Anthropic combines them too; many chat
   templates refuse two user turns in a row).
+- `tool_use` blocks of an assistant turn become that turn's `tool_calls` (`input` as the
+  arguments' JSON text); each `tool_result` block of a user turn becomes a `tool` message (its
+  `tool_use_id` as `tool_call_id`; its content, a string or text blocks joined by newlines,
+  `Error: ` before it when `is_error`), in the order of the blocks; the turn's other blocks
+  (text, images) follow as a user message. `http/tooling.py` renders calls and results as the
+  model's template (or the fallback format) takes them.
+- `image` blocks of a user turn (`source` base64 with `media_type`, or `url`) become image parts
+  for the engine's multimodal path: a vision-language model fetches and sees them, a text-only
+  model refuses them (400 naming the block's `source`).
 - A last `assistant` turn is a prefill: the template renders it open (`continue_final_message`)
   and the answer continues its text; the answer's content holds only the continuation. An empty
-  last assistant turn asks for nothing and is left out (kept, closed, when it is the only turn).
+  last assistant turn asks for nothing and is left out (kept, closed, when it is the only turn);
+  one that holds `tool_use` blocks is rendered closed, and the answer is a new turn.
 - `thinking` and `redacted_thinking` blocks of assistant turns are dropped; in a user turn they
-  are refused. Image, document and tool blocks are refused (400 naming the block's `type`) until
-  this server serves them.
+  are refused, as are `tool_use` in a user turn and `tool_result` or `image` in an assistant
+  turn. `document` and `search_result` blocks are refused (400 naming the block's `type`).
 - `thinking: {"type": "disabled"}` renders the template with `enable_thinking=False` (Qwen3-style
   templates; others ignore it).
+
+An error the engine raises about a template message (`messages[k].content[p].image_url`) is
+renamed to the request's own field (`messages[i].content[j].source`) by `Conversation.name_field`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from trio_mlx.http.anthropic.requests import (
     LATER_BLOCK_TYPES,
     THINKING_BLOCK_TYPES,
+    ContentBlock,
     CountTokensRequest,
-    MessageParam,
 )
 from trio_mlx.http.errors import APIError
+
+#: Image media types Anthropic accepts in a base64 source.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+_TEMPLATE_FIELD = re.compile(r"^messages\[(\d+)\](?:\.content\[(\d+)\](\.image_url)?)?")
 
 
 @dataclass(frozen=True)
 class Conversation:
-    """Chat-template `messages`, whether the last one is a prefill, and the template keywords."""
+    """Chat-template `messages`, whether the last one is a prefill, the template keywords, and
+    where each template message (and media part) came from in the request."""
 
     messages: list[dict[str, Any]]
     prefill: bool
     template_kwargs: dict[str, Any] | None
+    #: per template message: the request field it came from (`system`, `messages[i]`)
+    origins: list[str] = field(default_factory=list)
+    #: `(template message, part)` -> the request block it came from (`messages[i].content[j]`)
+    parts: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def name_field(self, exc: APIError, added: int = 0) -> None:
+        """Rename `exc.param` from a template message's field to the request's; `added`: how
+        many messages were put before the conversation's (a system prompt offering tools)."""
+        match = _TEMPLATE_FIELD.match(exc.param or "")
+        if match is None:
+            return
+        k = int(match.group(1)) - added
+        if not 0 <= k < len(self.origins):
+            exc.param = "messages"
+            return
+        rest = (exc.param or "")[match.end() :]
+        if match.group(2) is not None and (k, int(match.group(2))) in self.parts:
+            block = self.parts[(k, int(match.group(2)))]
+            exc.param = block + (".source" if match.group(3) else "") + rest
+        else:
+            exc.param = self.origins[k] + (exc.param or "")[len(f"messages[{match.group(1)}]") :]
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.parts)
+
+
+class _Turn:
+    """A template message being built: its text and media parts, calls, and origins."""
+
+    def __init__(self, role: str, origin: str, tool_call_id: str | None = None) -> None:
+        self.role = role
+        self.origin = origin
+        self.tool_call_id = tool_call_id
+        self.parts: list[dict[str, Any]] = []
+        #: part index -> the request block it came from (media parts only)
+        self.sources: dict[int, str] = {}
+        self.tool_calls: list[dict[str, Any]] = []
+
+    @property
+    def has_text(self) -> bool:
+        return any(part["text"] for part in self.parts if part["type"] == "text")
+
+    def merge(self, other: _Turn) -> None:
+        offset = len(self.parts)
+        self.parts.extend(other.parts)
+        self.sources.update({offset + p: where for p, where in other.sources.items()})
+        self.tool_calls.extend(other.tool_calls)
+
+    def message(self) -> dict[str, Any]:
+        # With media, the parts themselves (the engine's multimodal path reads them).
+        texts = "\n".join(part["text"] for part in self.parts if part["type"] == "text")
+        content: str | list[dict[str, Any]] = self.parts if self.sources else texts
+        item: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            item["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            item["tool_call_id"] = self.tool_call_id
+        return item
 
 
 def conversation(body: CountTokensRequest) -> Conversation:
     """The request's conversation, refusing with a 400 what this server does not serve."""
-    turns: list[dict[str, Any]] = []
+    turns: list[_Turn] = []
     system = body.system
     if isinstance(system, list):
         system = "\n".join(block.text for block in system)
     if system:
-        turns.append({"role": "system", "content": system})
+        turn = _Turn("system", "system")
+        turn.parts.append({"type": "text", "text": system})
+        turns.append(turn)
     for i, message in enumerate(body.messages):
-        text = _message_text(i, message)
-        if len(turns) > 0 and turns[-1]["role"] == message.role:
-            turns[-1]["content"] += "\n" + text
-        else:
-            turns.append({"role": message.role, "content": text})
-    if turns[-1]["role"] == "assistant" and not turns[-1]["content"] and len(turns) > 1:
+        for turn in _message_turns(i, message.role, message.content):
+            last = turns[-1] if turns else None
+            if last is not None and last.role == turn.role and turn.role in ("user", "assistant"):
+                last.merge(turn)
+            else:
+                turns.append(turn)
+    if (
+        turns[-1].role == "assistant"
+        and not turns[-1].has_text
+        and not turns[-1].tool_calls
+        and len(turns) > 1
+    ):
         turns.pop()
-    prefill = turns[-1]["role"] == "assistant" and bool(turns[-1]["content"])
+    prefill = turns[-1].role == "assistant" and turns[-1].has_text and not turns[-1].tool_calls
     kwargs: dict[str, Any] = {}
     if prefill:
         kwargs["continue_final_message"] = True
     if body.thinking is not None and body.thinking.type == "disabled":
         kwargs["enable_thinking"] = False
-    return Conversation(turns, prefill, kwargs or None)
+    parts = {(k, p): where for k, turn in enumerate(turns) for p, where in turn.sources.items()}
+    return Conversation(
+        [turn.message() for turn in turns],
+        prefill,
+        kwargs or None,
+        [turn.origin for turn in turns],
+        parts,
+    )
 
 
-def _message_text(i: int, message: MessageParam) -> str:
-    content = message.content
+def _message_turns(i: int, role: str, content: str | list[ContentBlock]) -> list[_Turn]:
+    """The template messages one request message becomes: one turn, or (a user turn with tool
+    results) a `tool` message per result and the rest as user turns, in the order given."""
+    origin = f"messages[{i}]"
     if isinstance(content, str):
-        return content
-    texts = []
+        turn = _Turn(role, origin)
+        turn.parts.append({"type": "text", "text": content})
+        return [turn]
+    out = [_Turn(role, origin)]
     for j, block in enumerate(content):
-        where = f"messages[{i}].content[{j}]"
+        where = f"{origin}.content[{j}]"
         if block.type == "text":
             if block.text is None:
                 raise APIError(
@@ -77,22 +175,139 @@ def _message_text(i: int, message: MessageParam) -> str:
                     param=f"{where}.text",
                     code="missing_required_parameter",
                 )
-            texts.append(block.text)
-        elif block.type in THINKING_BLOCK_TYPES and message.role == "assistant":
+            if out[-1].role != role:
+                out.append(_Turn(role, origin))
+            out[-1].parts.append({"type": "text", "text": block.text})
+        elif block.type in THINKING_BLOCK_TYPES and role == "assistant":
             continue  # an earlier answer's reasoning: dropped, as Anthropic drops it
+        elif block.type == "tool_use" and role == "assistant":
+            out[-1].tool_calls.append(_tool_call(block, where))
+        elif block.type == "tool_result" and role == "user":
+            out.append(_Turn("tool", origin, _required(block.tool_use_id, where, "tool_use_id")))
+            out[-1].parts.append({"type": "text", "text": _result_text(block, where)})
+        elif block.type == "image" and role == "user":
+            if out[-1].role != role:
+                out.append(_Turn(role, origin))
+            out[-1].sources[len(out[-1].parts)] = where
+            image = {"url": _image_url(block, where)}
+            out[-1].parts.append({"type": "image_url", "image_url": image})
         elif block.type in LATER_BLOCK_TYPES:
             raise APIError(
                 400,
-                f"content blocks of type {block.type!r} are not supported by this server yet "
-                "(text only)",
+                f"content blocks of type {block.type!r} are not supported by this server",
                 param=f"{where}.type",
                 code="unsupported_value",
             )
         else:
             raise APIError(
                 400,
-                f"a {message.role} message cannot hold a {block.type!r} block",
+                f"a {role} message cannot hold a {block.type!r} block",
                 param=f"{where}.type",
                 code="invalid_value",
             )
-    return "\n".join(texts)
+    # A user turn of tool results only: no empty user message after them.
+    return [turn for turn in out if turn.parts or turn.tool_calls or len(out) == 1]
+
+
+def _required(value: str | None, where: str, name: str) -> str:
+    if value is None:
+        raise APIError(
+            400,
+            f"a block of this type needs `{name}`",
+            param=f"{where}.{name}",
+            code="missing_required_parameter",
+        )
+    return value
+
+
+def _tool_call(block: ContentBlock, where: str) -> dict[str, Any]:
+    call_id = _required(block.id, where, "id")
+    name = _required(block.name, where, "name")
+    if not name:
+        raise APIError(400, "a tool_use block needs a name", param=f"{where}.name")
+    if block.input is None:
+        raise APIError(
+            400,
+            "a tool_use block needs `input` (an object)",
+            param=f"{where}.input",
+            code="missing_required_parameter",
+        )
+    arguments = json.dumps(block.input, ensure_ascii=False)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _result_text(block: ContentBlock, where: str) -> str:
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        texts = []
+        for m, item in enumerate(content):
+            kind = item.get("type")
+            if kind == "text" and isinstance(item.get("text"), str):
+                texts.append(item["text"])
+            elif kind == "text":
+                raise APIError(
+                    400,
+                    "a text block needs `text`",
+                    param=f"{where}.content[{m}].text",
+                    code="missing_required_parameter",
+                )
+            else:
+                raise APIError(
+                    400,
+                    f"a tool_result's content may hold text blocks only, not {kind!r}",
+                    param=f"{where}.content[{m}].type",
+                    code="unsupported_value",
+                )
+        text = "\n".join(texts)
+    if block.is_error:
+        return f"Error: {text}" if text else "Error"
+    return text
+
+
+def _image_url(block: ContentBlock, where: str) -> str:
+    """The block's image as a URL the media fetcher takes (a data URL for base64)."""
+    source = block.source
+    param = f"{where}.source"
+    if source is None:
+        raise APIError(
+            400, "an image block needs `source`", param=param, code="missing_required_parameter"
+        )
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = source.get("media_type")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise APIError(
+                400,
+                f"media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}",
+                param=f"{param}.media_type",
+                code="invalid_value",
+            )
+        data = source.get("data")
+        if not isinstance(data, str) or not data:
+            raise APIError(
+                400,
+                "a base64 source needs `data` (the image, base64-encoded)",
+                param=f"{param}.data",
+                code="missing_required_parameter",
+            )
+        return f"data:{media_type};base64,{data}"
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise APIError(
+                400,
+                "a url source needs `url`",
+                param=f"{param}.url",
+                code="missing_required_parameter",
+            )
+        return url
+    raise APIError(
+        400,
+        "an image source's type must be 'base64' or 'url'",
+        param=f"{param}.type",
+        code="unsupported_value" if isinstance(kind, str) else "invalid_value",
+    )

@@ -8,33 +8,48 @@ by the HTTP request's ASGI call (`ownership`), so a client that goes away at any
 queued, mid-prefill, mid-stream, before the body's first byte — aborts it and frees its slot; in
 a batch, the other sequences go on.
 
+With `tools` (`anthropic/tools.py` on `http/tooling.py`), the answer's text is read by the model
+family's call reader: its calls are `tool_use` blocks (`id` `toolu_...`, `name`, `input`), its
+other text `text` blocks, in the order written (`blocks.ContentWriter`).
+
 `stop_reason`: `end_turn` (the model's end of turn, EOS), `stop_sequence` (with the sequence in
-`stop_sequence`), `max_tokens` (the request's `max_tokens`), `model_context_window_exceeded`
-(the context ran out first). A model whose tokenizer has thinking tags answers with a `thinking`
-block before the `text` block; there is always one `text` block, empty if the model said nothing.
+`stop_sequence`), `tool_use` (the answer made calls and was not cut short; `stop_sequence` still
+names a stop sequence that ended it), `max_tokens` (the request's `max_tokens`),
+`model_context_window_exceeded` (the context ran out first). A model whose tokenizer has thinking
+tags answers with a `thinking` block before the `text` block; an answer without calls has one
+`text` block, empty if the model said nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
 from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
-from trio_mlx.http.anthropic.conversation import conversation
+from trio_mlx.http.anthropic import tools
+from trio_mlx.http.anthropic.blocks import ContentWriter
+from trio_mlx.http.anthropic.conversation import Conversation, conversation
 from trio_mlx.http.anthropic.objects import (
     Message,
     MessageUsage,
-    OutputBlock,
     StopReason,
-    TextBlock,
-    ThinkingBlock,
     TokenCount,
+    ToolUseBlock,
 )
 from trio_mlx.http.anthropic.requests import CountTokensRequest, MessagesRequest
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.generation import admit, prepare_async, raise_failure, run_to_end
+from trio_mlx.http.generation import (
+    admit,
+    failure,
+    prepare_async,
+    raise_failure,
+    run_to_end,
+)
 from trio_mlx.http.state import ServerState
+from trio_mlx.http.tooling import CallReader, ToolPlan
+from trio_mlx.tools import Content, Reasoning, ToolEvent
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationOutput
 
 #: Engine parameter names as the Messages API calls them (in error messages).
@@ -46,8 +61,7 @@ def new_message_id() -> str:
 
 
 def check_supported(body: CountTokensRequest) -> None:
-    """Refuse what parses but is not served yet (tools, and a `tool_choice` that needs them),
-    and `thinking` enabled without its budget."""
+    """Refuse `thinking` enabled without its budget."""
     thinking = body.thinking
     if thinking is not None and thinking.type == "enabled" and thinking.budget_tokens is None:
         raise APIError(
@@ -56,34 +70,59 @@ def check_supported(body: CountTokensRequest) -> None:
             param="thinking.budget_tokens",
             code="missing_required_parameter",
         )
-    if body.tools:
-        raise APIError(
-            400,
-            "tools are not supported on /v1/messages yet",
-            param="tools",
-            code="unsupported_value",
-        )
-    if body.tool_choice is not None and body.tool_choice.type not in ("auto", "none"):
-        raise APIError(
-            400,
-            f"tool_choice {body.tool_choice.type!r} needs tools, which this route does not "
-            "serve yet; use 'auto' or 'none'",
-            param="tool_choice.type",
-            code="unsupported_value",
-        )
+
+
+def _planned(state: ServerState, body: CountTokensRequest) -> tuple[Conversation, ToolPlan]:
+    """The request's conversation, and how its tools reach the model (`tools.plan`)."""
+    check_supported(body)
+    chat = conversation(body)
+    engine, _ = state.engine_for(body.model)
+    plan = tools.plan(
+        body,
+        chat.messages,
+        tokenizer=engine.tokenizer,
+        parser=state.settings.tool_call_parser,
+    )
+    return chat, plan
+
+
+def _name_fields(exc: APIError, chat: Conversation, plan: ToolPlan) -> None:
+    """Name the request's own field in an error about what the engine was given."""
+    if exc.param in _PARAMS:
+        exc.param = _PARAMS[exc.param]
+    else:
+        chat.name_field(exc, added=len(plan.messages) - len(chat.messages))
 
 
 async def count_tokens(state: ServerState, body: CountTokensRequest) -> dict[str, Any]:
     """`{"input_tokens": N}`: the length of the prompt `/v1/messages` would prefill for the same
-    conversation (the chat template's rendering, prefill included), whatever the context."""
-    check_supported(body)
+    conversation (the chat template's rendering, prefill and tools included), whatever the
+    context. With images (a vision-language model), the prompt is prepared as `/v1/messages`
+    prepares it, images fetched and processed, so it must fit the context."""
     engine, _ = state.engine_for(body.model)
-    chat = conversation(body)
-    count = await prepare_async(
-        lambda: engine.count_chat_tokens_async(
-            chat.messages, chat_template_kwargs=chat.template_kwargs
-        )
-    )
+    chat, plan = _planned(state, body)
+    try:
+        if chat.has_media:
+            prepared = await prepare_async(
+                lambda: engine.prepare_chat_async(
+                    plan.messages,
+                    max_tokens=1,
+                    tools=plan.template_tools,
+                    chat_template_kwargs=chat.template_kwargs,
+                )
+            )
+            count = len(prepared.prompt_tokens)
+        else:
+            count = await prepare_async(
+                lambda: engine.count_chat_tokens_async(
+                    plan.messages,
+                    tools=plan.template_tools,
+                    chat_template_kwargs=chat.template_kwargs,
+                )
+            )
+    except APIError as exc:
+        _name_fields(exc, chat, plan)
+        raise
     return TokenCount(input_tokens=count).dump()
 
 
@@ -91,11 +130,10 @@ async def start_message(
     state: ServerState, body: MessagesRequest, record: RequestRecord
 ) -> MessageRun:
     """Validate, prepare and admit one Messages request; raises `APIError` before any byte."""
-    check_supported(body)
     engine, model = state.engine_for(body.model)
     record.model = model
-    chat = conversation(body)
-    options: dict[str, Any] = {}
+    chat, plan = _planned(state, body)
+    options: dict[str, Any] = dict(plan.options)
     if body.top_k is not None:
         options["top_k"] = body.top_k
     if body.thinking is not None and body.thinking.type == "enabled":
@@ -103,27 +141,30 @@ async def start_message(
     try:
         prepared = await prepare_async(
             lambda: engine.prepare_chat_async(
-                chat.messages,
+                plan.messages,
                 max_tokens=body.max_tokens,
                 temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
                 top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
                 stop=body.stop_sequences,
+                tools=plan.template_tools,
                 chat_template_kwargs=chat.template_kwargs,
                 **options,
             )
         )
     except APIError as exc:
-        if exc.param in _PARAMS:
-            exc.param = _PARAMS[exc.param]
+        _name_fields(exc, chat, plan)
         raise
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)
-    return MessageRun(model, body.max_tokens, len(prepared.prompt_tokens), active, record)
+    return MessageRun(
+        model, body.max_tokens, len(prepared.prompt_tokens), active, record, plan.reader()
+    )
 
 
 class MessageRun:
     """One admitted Messages request: its final `Message`, or (`stream.message_events`) its
-    events. Whichever reads it closes the request when it ends, however it ends."""
+    events. Whichever reads it closes the request when it ends, however it ends. With tools,
+    `reader` reads the calls out of the answer's text (None: the text is all content)."""
 
     def __init__(
         self,
@@ -132,6 +173,7 @@ class MessageRun:
         prompt_tokens: int,
         active: ActiveRequest,
         record: RequestRecord,
+        reader: CallReader | None = None,
     ) -> None:
         self.id = new_message_id()
         self.model = model
@@ -139,24 +181,56 @@ class MessageRun:
         self.prompt_tokens = prompt_tokens
         self.active = active
         self.record = record
+        self.reader = reader
 
-    def stop_reason(self, final: GenerationOutput) -> StopReason:
+    def events(self, out: GenerationOutput) -> list[ToolEvent]:
+        """What one output adds to the answer: its reasoning, then its text as the call reader
+        reads it (at the end of a successful answer, with what the reader held back)."""
+        events: list[ToolEvent] = []
+        if out.new_reasoning:
+            events.append(Reasoning(out.new_reasoning))
+        if self.reader is None:
+            if out.new_text:
+                events.append(Content(out.new_text))
+            return events
+        events += self.reader.feed(out.new_text)
+        if out.finished and failure(out) is None:
+            events += self.reader.finish()
+        return events
+
+    def stop_reason(self, final: GenerationOutput, calls: int = 0) -> StopReason:
+        """Why the answer ended: `tool_use` when it made calls and was not cut short."""
         if final.finish_reason == "length":
             if final.completion_tokens < self.max_tokens:
                 return "model_context_window_exceeded"
             return "max_tokens"
+        if calls:
+            return "tool_use"
         return "stop_sequence" if final.stop_sequence is not None else "end_turn"
 
     def message(self, final: GenerationOutput) -> Message:
-        content: list[OutputBlock] = []
-        if final.reasoning:
-            content.append(ThinkingBlock(thinking=final.reasoning))
-        content.append(TextBlock(text=final.text))
+        """The whole answer, its blocks written as the stream writes them."""
+        whole = dataclasses.replace(final, new_text=final.text, new_reasoning=final.reasoning)
+        blocks = ContentWriter()
+        blocks.feed(self.events(whole))
+        blocks.finish()
+        content = blocks.content()
+        if self.reader is not None:  # only the calls the reader counts whole (a forced reply
+            # cut short leaves its last call out; a stream has sent its pieces already)
+            complete = self.reader.calls
+            kept = []
+            for block in content:
+                if isinstance(block, ToolUseBlock):
+                    if complete == 0:
+                        continue
+                    complete -= 1
+                kept.append(block)
+            content = kept
         return Message(
             id=self.id,
             model=self.model,
             content=content,
-            stop_reason=self.stop_reason(final),
+            stop_reason=self.stop_reason(final, blocks.calls),
             stop_sequence=final.stop_sequence,
             usage=MessageUsage.of(final),
         )

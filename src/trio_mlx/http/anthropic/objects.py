@@ -17,7 +17,9 @@ from pydantic import BaseModel, Field
 
 from trio_mlx.types import GenerationOutput
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "model_context_window_exceeded"]
+StopReason = Literal[
+    "end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"
+]
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
@@ -49,7 +51,17 @@ class ThinkingBlock(AnthropicObject):
     signature: str = ""
 
 
-OutputBlock = Annotated[TextBlock | ThinkingBlock, Field(discriminator="type")]
+class ToolUseBlock(AnthropicObject):
+    """A call of one of the request's tools: its id (`toolu_...`, what the `tool_result` that
+    answers it names), the tool's name, and its input (an object)."""
+
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+OutputBlock = Annotated[TextBlock | ThinkingBlock | ToolUseBlock, Field(discriminator="type")]
 
 
 class MessageUsage(AnthropicObject):
@@ -112,10 +124,18 @@ class ThinkingDelta(AnthropicObject):
     thinking: str
 
 
+class InputJsonDelta(AnthropicObject):
+    """The next piece of a `tool_use` block's input, as JSON text: the pieces of one block,
+    joined, are its whole `input`."""
+
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
 class ContentBlockDeltaEvent(AnthropicObject):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: Annotated[TextDelta | ThinkingDelta, Field(discriminator="type")]
+    delta: Annotated[TextDelta | ThinkingDelta | InputJsonDelta, Field(discriminator="type")]
 
 
 class ContentBlockStopEvent(AnthropicObject):

@@ -1,61 +1,169 @@
 """Request bodies of the Anthropic Messages routes (`POST /v1/messages`, `.../count_tokens`).
 
 The shapes are Anthropic's: `system` as a string or text blocks, `messages` of `user` and
-`assistant` turns whose `content` is a string or a list of content blocks. Types and ranges that
-are plain facts about a field are checked here (a 400 naming the field); what depends on the
-model (its context, its vocabulary) is checked by the engine.
+`assistant` turns whose `content` is a string or a list of content blocks, `tools` as
+`{name, description, input_schema}`, `tool_choice` as `{type: auto | any | tool | none, name,
+disable_parallel_tool_use}`. Types and ranges that are plain facts about a field are checked
+here (a 400 naming the field); what depends on the model (its context, its vocabulary, whether it
+takes images) is checked by the engine.
 
-Content blocks are one model with a `type` tag, so that the block types this server will serve
-later (`image`, `document`, `tool_use`, `tool_result`) parse today and are refused where the
-conversation is read (`conversation.py`) with a 400 naming the block, instead of a type error;
-the published schema lists only what is served now. `thinking` and `redacted_thinking` blocks in
-an assistant turn are what this server (and Anthropic) sends back; clients echo them in the next
-request, and they are dropped there, as Anthropic drops earlier turns' thinking. `tools` and
-`tool_choice` are accepted when they ask for nothing (no tools; `auto` or `none`).
+Content blocks are one model with a `type` tag, so that every block type parses and is read (or
+refused with a 400 naming the block) where the conversation is read (`conversation.py`), instead
+of a type error. Their variable parts (`source`, `input`, `tool_result` content) are plain
+objects here, checked there. The published schema states, type by type, what is served:
+`text`, `tool_use` (assistant turns), `tool_result` (user turns), `thinking` and
+`redacted_thinking` (assistant turns: what this server and Anthropic send back; dropped, as
+Anthropic drops earlier turns' thinking). `image` blocks are served on a vision-language model
+and refused by a text-only one, so the document (of whichever model) does not list them, as the
+OpenAI routes' document leaves out image parts.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, WithJsonSchema
+from pydantic import ConfigDict, Field
 
 from trio_mlx.http.requests import NonNegative, Positive, _Body
 
-#: Block types that parse but are refused until this server serves them (tool calling, images).
-LATER_BLOCK_TYPES = ("image", "document", "tool_use", "tool_result", "search_result")
+#: Block types that parse but are refused (documents, search results).
+LATER_BLOCK_TYPES = ("document", "search_result")
 #: Blocks of the model's own reasoning, dropped from assistant turns (see the module docstring).
 THINKING_BLOCK_TYPES = ("thinking", "redacted_thinking")
+#: The block types each role's turns may hold, as the published schema lists them.
+SERVED_BLOCK_TYPES = {
+    "user": ["text", "tool_result"],
+    "assistant": ["text", "tool_use", *THINKING_BLOCK_TYPES],
+}
+#: Anthropic's rule for tool names.
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,128}$"
+
+_STRING_OR_NULL = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+_OBJECT_OR_NULL = {"anyOf": [{"type": "object"}, {"type": "null"}]}
+_TEXT_ITEM = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
 
 
-def _text_required(schema: dict[str, Any]) -> None:
-    # A text block without `text` is refused where the content is read; the schema says so.
-    schema["required"] = ["type", "text"]
-    schema["properties"]["text"] = {"type": "string"}
+def _when(kind: str, then: dict[str, Any]) -> dict[str, Any]:
+    return {"if": {"properties": {"type": {"const": kind}}, "required": ["type"]}, "then": then}
+
+
+def _block_schema(schema: dict[str, Any]) -> None:
+    # Every field a block type reads, and which ones each type requires.
+    schema["properties"] = {
+        "type": {"enum": sorted({t for types in SERVED_BLOCK_TYPES.values() for t in types})},
+        "text": _STRING_OR_NULL,
+        "id": _STRING_OR_NULL,
+        "name": _STRING_OR_NULL,
+        "input": _OBJECT_OR_NULL,
+        "tool_use_id": _STRING_OR_NULL,
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "object"}},
+                {"type": "null"},
+            ]
+        },
+        "is_error": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+        "source": _OBJECT_OR_NULL,
+        "cache_control": _OBJECT_OR_NULL,
+        "citations": {"anyOf": [{"type": "array"}, {"type": "null"}]},
+    }
+    schema["required"] = ["type"]
+    schema["allOf"] = [
+        _when("text", {"properties": {"text": {"type": "string"}}, "required": ["text"]}),
+        _when(
+            "tool_use",
+            {
+                "properties": {
+                    "id": {"type": "string"},
+                    "name": {"type": "string", "minLength": 1},
+                    "input": {"type": "object"},
+                },
+                "required": ["id", "name", "input"],
+            },
+        ),
+        _when(
+            "tool_result",
+            {
+                "properties": {
+                    "tool_use_id": {"type": "string"},
+                    "content": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {"type": "array", "items": _TEXT_ITEM},
+                            {"type": "null"},
+                        ]
+                    },
+                },
+                "required": ["tool_use_id"],
+            },
+        ),
+    ]
+    schema["description"] = (
+        "`text`; `tool_use` (`id`, `name`, `input`) in assistant turns; `tool_result` "
+        "(`tool_use_id`, `content` a string or text blocks, `is_error`) in user turns; `thinking` "
+        "and `redacted_thinking` in assistant turns (dropped). On a vision-language model, also "
+        '`image` blocks in user turns: `{"type": "image", "source": {"type": "base64", '
+        '"media_type", "data"}}` or `{"source": {"type": "url", "url"}}`.'
+    )
 
 
 class ContentBlock(_Body):
-    """One block of a message's content. Only `text` blocks (with `text`) are served now."""
+    """One block of a message's content (see the module docstring; `conversation.py` reads
+    them)."""
 
-    model_config = ConfigDict(json_schema_extra=_text_required)
+    model_config = ConfigDict(json_schema_extra=_block_schema)
 
-    type: Annotated[
-        Literal[
-            "text",
-            "image",
-            "document",
-            "tool_use",
-            "tool_result",
-            "search_result",
-            "thinking",
-            "redacted_thinking",
-        ],
-        WithJsonSchema({"const": "text"}),
+    type: Literal[
+        "text",
+        "image",
+        "document",
+        "tool_use",
+        "tool_result",
+        "search_result",
+        "thinking",
+        "redacted_thinking",
     ]
     text: str | None = None
+    # tool_use
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    # tool_result: a string, or blocks (text ones are served)
+    tool_use_id: str | None = None
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+    # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
+    source: dict[str, Any] | None = None
     # Accepted and ignored: the prefix cache needs no breakpoints, it reuses any shared prefix.
     cache_control: dict[str, Any] | None = None
     citations: list[Any] | None = None
+
+
+def _role_blocks(schema: dict[str, Any]) -> None:
+    schema["allOf"] = [
+        {
+            "if": {"properties": {"role": {"const": role}}, "required": ["role"]},
+            "then": {
+                "properties": {
+                    "content": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {
+                                "type": "array",
+                                "items": {"properties": {"type": {"enum": types}}},
+                            },
+                        ]
+                    }
+                }
+            },
+        }
+        for role, types in SERVED_BLOCK_TYPES.items()
+    ]
 
 
 class SystemBlock(_Body):
@@ -70,14 +178,47 @@ class MessageParam(_Body):
     """One turn of the conversation. A last `assistant` turn is a prefill: the answer continues
     its text."""
 
+    model_config = ConfigDict(json_schema_extra=_role_blocks)
+
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
+def _input_schema_is_an_object(schema: dict[str, Any]) -> None:
+    schema["properties"]["input_schema"] = {
+        "type": "object",
+        "properties": {"type": {"const": "object"}},
+        "required": ["type"],
+    }
+
+
+class ToolParam(_Body):
+    """A client tool: its name, what it does, and the JSON Schema of its `input` (an object).
+    Anthropic's server tools (`web_search`, `bash`, ...) are not served here."""
+
+    model_config = ConfigDict(json_schema_extra=_input_schema_is_an_object)
+
+    name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+    description: str | None = None
+    # `type: "object"` is checked in `tools.py` (for its message); the schema says it too.
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
 class ToolChoice(_Body):
-    type: Annotated[
-        Literal["auto", "any", "tool", "none"], WithJsonSchema({"enum": ["auto", "none"]})
-    ]
+    """`auto` (the model decides), `any` (some tool must be called), `tool` (the tool `name`
+    must be called), `none` (no tool is offered). `disable_parallel_tool_use`: one call at most
+    (with `any` or `tool`: exactly one)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"type": {"const": "tool"}}, "required": ["type"]},
+            "then": {"properties": {"name": {"type": "string"}}, "required": ["name"]},
+        }
+    )
+
+    type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
@@ -105,13 +246,6 @@ class Metadata(_Body):
     user_id: str | None = None
 
 
-NoTools = WithJsonSchema(
-    {
-        "anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
-        "default": None,
-        "description": "Not supported yet: leave it out or empty.",
-    }
-)
 SystemField = str | list[SystemBlock] | None
 StopSequence = Annotated[str, Field(min_length=1)]
 
@@ -124,7 +258,7 @@ class CountTokensRequest(_Body):
     )
     system: SystemField = None
     messages: Annotated[list[MessageParam], Field(min_length=1)]
-    tools: Annotated[list[dict[str, Any]] | None, NoTools] = None
+    tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 
