@@ -1,0 +1,89 @@
+"""Anthropic `tool_choice` `any` and `{"type": "tool"}` on /v1/messages, enforced by the forced
+tool-call grammar (the OpenAI routes' `required` and named function), with the official
+`anthropic` client against the real server on the tiny random model: its weights know no JSON
+and no tools, so every valid `tool_use` block is the grammar's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import jsonschema
+
+from trio_mlx.http.server import RunningServer
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "name": "get_time",
+    "input_schema": {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
+TOOLS: Any = [WEATHER, TIME]
+SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
+ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+CHOICES: list[tuple[Any, set[str]]] = [
+    ({"type": "any"}, {"get_weather", "get_time"}),
+    ({"type": "tool", "name": "get_time"}, {"get_time"}),
+    ({"type": "any", "disable_parallel_tool_use": True}, {"get_weather", "get_time"}),
+]
+
+
+def client_of(server: RunningServer) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+async def test_any_and_tool_give_schema_valid_tool_use_whole_and_streamed(
+    server: RunningServer,
+) -> None:
+    async with client_of(server) as client:
+        for choice, allowed in CHOICES:
+            await one_choice(client, choice, allowed)
+
+
+async def one_choice(client: anthropic.AsyncAnthropic, choice: Any, allowed: set[str]) -> None:
+    """One `tool_choice`: whole and streamed, the same schema-valid calls."""
+    request: Any = {
+        "model": "tiny",
+        "max_tokens": 400,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": choice,
+        "extra_body": {"temperature": 0},
+    }
+    whole = await client.messages.create(**request)
+    assert whole.stop_reason == "tool_use", whole
+    uses = [b for b in whole.content if b.type == "tool_use"]
+    assert uses and all(b.type == "tool_use" for b in whole.content)  # no text beside
+    if choice.get("disable_parallel_tool_use"):
+        assert len(uses) == 1
+    for block in uses:
+        assert block.name in allowed and block.id.startswith("toolu_")
+        jsonschema.validate(block.input, SCHEMAS[block.name])
+
+    async with client.messages.stream(**request) as stream:
+        partial: dict[int, str] = {}
+        async for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                partial[event.index] = partial.get(event.index, "") + event.delta.partial_json
+        final = await stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    streamed = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
+    assert streamed == [(b.name, b.input) for b in uses]  # greedy: the same calls
+    assert [json.loads(partial[i]) for i in sorted(partial)] == [b.input for b in uses]
