@@ -46,7 +46,12 @@ def options(command: str) -> list[Option]:
         os.environ.update(saved)
     out = []
     for action in sub._actions:
-        name = max(action.option_strings, key=len) if action.option_strings else action.dest
+        if isinstance(action, argparse.BooleanOptionalAction):
+            name = action.option_strings[0]  # `--x`, not the `--no-x` it adds
+        elif action.option_strings:
+            name = max(action.option_strings, key=len)
+        else:
+            name = action.dest
         if name in COMMON or isinstance(action, argparse._HelpAction):
             continue
         if not action.option_strings:
