@@ -87,11 +87,14 @@ async def test_eight_prompts_in_one_batch_equal_each_alone(
         await assert_idle(engine)
 
 
-async def test_arrivals_while_a_batch_decodes(tiny_model_dir: Path) -> None:
+async def test_arrivals_while_a_batch_decodes(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     long = {"max_tokens": 30, "temperature": 0.0}
     short = {"max_tokens": 6, "temperature": 0.0}
     expected_long = await alone(tiny_model_dir, PROMPTS[:2], **long)
     expected_short = await alone(tiny_model_dir, PROMPTS[2:5], **short)
+    hold = hold_the_runner_intake(monkeypatch)
     async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=5) as engine:
         results: dict[str, Any] = {}
 
@@ -109,10 +112,14 @@ async def test_arrivals_while_a_batch_decodes(tiny_model_dir: Path) -> None:
             nursery.start_soon(stream, "b", PROMPTS[1], second)
             await first.wait()
             await second.wait()
-            # Both are decoding: three more arrive together and join the batch.
+            # Both are decoding: three more arrive together (the runner takes them at one step
+            # boundary, while the long ones still decode) and join the batch.
+            hold.close()
             async with trio.open_nursery() as arrivals:
                 for i, prompt in enumerate(PROMPTS[2:5]):
                     arrivals.start_soon(short_one, engine, results, f"s{i}", prompt, short)
+                await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 5)
+                hold.open()
         assert [results["a"], results["b"]] == expected_long
         assert [results[f"s{i}"] for i in range(3)] == expected_short
         assert max(int(size) for size in engine.get_stats()["runner"]["batch_sizes"]) >= 3
