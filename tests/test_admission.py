@@ -9,6 +9,7 @@ import trio
 import trio.testing
 
 import trio_mlx
+from servers import eventually
 from trio_mlx.actors.admission import AdmissionBook
 
 PROMPT = "Once upon a time"
@@ -134,8 +135,16 @@ async def test_a_cancelled_waiter_leaves_the_queue_without_taking_the_slot(
 ) -> None:
     async with trio_mlx.open_engine(tiny_model_dir, max_waiting=1) as engine:
         async with engine.open_stream(engine.prepare_generate(PROMPT, max_tokens=2)) as stream:
-            with trio.move_on_after(0.05):
-                await engine.generate(PROMPT, max_tokens=2)
+
+            async def cancel_once_queued(waiter: trio.CancelScope) -> None:
+                await eventually(lambda: engine.get_stats()["waiting"] == 1)
+                waiter.cancel()
+
+            async with trio.open_nursery() as nursery:
+                with trio.CancelScope() as waiter:
+                    nursery.start_soon(cancel_once_queued, waiter)
+                    await engine.generate(PROMPT, max_tokens=2)
+            assert waiter.cancelled_caught  # cancelled while it waited in the queue
             assert engine.get_stats()["waiting"] == 0
             async for _ in stream:
                 pass

@@ -8,10 +8,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 import trio_mlx
-from model_wrappers import FaultyModel, GatedModel, wrapping_loader
+from model_wrappers import FaultyModel, wrapping_loader
+from runner_intake import hold_the_runner_intake
 from servers import eventually
 
 PROMPTS = [
@@ -55,13 +57,18 @@ async def assert_idle(engine: trio_mlx.Engine) -> None:
     assert stats["kv_reserved_bytes"] == 0
 
 
-async def test_eight_prompts_in_one_batch_equal_each_alone(tiny_model_dir: Path) -> None:
+async def test_eight_prompts_in_one_batch_equal_each_alone(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sampling = {"max_tokens": 10, "temperature": 0.0}
     expected = await alone(tiny_model_dir, PROMPTS, **sampling)
-    loader, made = wrapping_loader(GatedModel)
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=8, loader=loader) as engine:
-        gate = made[0].gate
-        gate.clear()  # hold the runner until all eight are submitted: they prefill together
+    hold = hold_the_runner_intake(monkeypatch)
+    # Chunks cut by the plan alone, not by a pace measured on a busy machine: the eight prompts
+    # prefill in one step and join the batch together.
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=8, prefill_chunk_seconds=60.0
+    ) as engine:
+        hold.close()  # the runner takes all eight at one step boundary
         async with trio.open_nursery() as nursery:
             outputs: list[Any] = [None] * 8
 
@@ -70,8 +77,8 @@ async def test_eight_prompts_in_one_batch_equal_each_alone(tiny_model_dir: Path)
 
             for i in range(8):
                 nursery.start_soon(one, i)
-            await eventually(lambda: engine.get_stats()["running"] == 8)
-            gate.set()
+            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 8)
+            hold.open()
         stats = engine.get_stats()
         assert [o.tokens for o in outputs] == expected
         assert all(o.finish_reason == "length" for o in outputs)
@@ -80,11 +87,14 @@ async def test_eight_prompts_in_one_batch_equal_each_alone(tiny_model_dir: Path)
         await assert_idle(engine)
 
 
-async def test_arrivals_while_a_batch_decodes(tiny_model_dir: Path) -> None:
+async def test_arrivals_while_a_batch_decodes(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     long = {"max_tokens": 30, "temperature": 0.0}
     short = {"max_tokens": 6, "temperature": 0.0}
     expected_long = await alone(tiny_model_dir, PROMPTS[:2], **long)
     expected_short = await alone(tiny_model_dir, PROMPTS[2:5], **short)
+    hold = hold_the_runner_intake(monkeypatch)
     async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=5) as engine:
         results: dict[str, Any] = {}
 
@@ -102,10 +112,14 @@ async def test_arrivals_while_a_batch_decodes(tiny_model_dir: Path) -> None:
             nursery.start_soon(stream, "b", PROMPTS[1], second)
             await first.wait()
             await second.wait()
-            # Both are decoding: three more arrive together and join the batch.
+            # Both are decoding: three more arrive together (the runner takes them at one step
+            # boundary, while the long ones still decode) and join the batch.
+            hold.close()
             async with trio.open_nursery() as arrivals:
                 for i, prompt in enumerate(PROMPTS[2:5]):
                     arrivals.start_soon(short_one, engine, results, f"s{i}", prompt, short)
+                await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 5)
+                hold.open()
         assert [results["a"], results["b"]] == expected_long
         assert [results[f"s{i}"] for i in range(3)] == expected_short
         assert max(int(size) for size in engine.get_stats()["runner"]["batch_sizes"]) >= 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -277,16 +278,24 @@ async def test_the_first_token_is_handed_over_before_the_system_prompt_is_snapsh
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The system prompt's snapshot is taken in the first token's step (a short chat, as on a
-    # GPU): the token must reach its request first (on a GPU, waiting for the snapshot would
+    # GPU): the token must be handed to Trio first (on a GPU, waiting for the snapshot would
     # cost a decode step). The conversation's entry is in the book before the request ends.
+    # The runner never waits for Trio, so when Trio runs what it was handed is up to the OS:
+    # before logging a store, the runner thread waits until Trio has run everything handed
+    # over before it (`run_sync_soon` runs callbacks in the order they came), so the log's
+    # order is the order in which the runner handed tokens over and took snapshots.
     log: list[str] = []
     push, stored = TokenSink.push, KVCacheManager.stored
+    trio_token = trio.lowlevel.current_trio_token()
 
     def logged_push(self: TokenSink, tokens: Any = (), finish: Any = None, *a: Any) -> bool:
         log.extend(["token"] * len(tokens) + ([f"finish:{finish}"] if finish else []))
         return push(self, tokens, finish, *a)
 
     def logged_stored(self: KVCacheManager, tokens: Any, nbytes: int, kind: Any, *a: Any) -> Any:
+        caught_up = threading.Event()
+        trio_token.run_sync_soon(caught_up.set)
+        assert caught_up.wait(timeout=30), "Trio did not run what the runner handed over"
         log.append(f"stored:{kind}")
         return stored(self, tokens, nbytes, kind, *a)
 

@@ -18,6 +18,7 @@ import pytest
 import trio
 
 import trio_mlx
+from runner_intake import hold_the_runner_intake
 from servers import eventually
 from tiny_model import build_other_tokenizer_copy, build_perturbed_copy, build_tiny_model
 from trio_mlx.engine.speculative import accept_drafts
@@ -242,7 +243,7 @@ async def test_a_prefix_cache_hit_still_gives_the_targets_output(
 
 
 async def test_batched_rows_speculate_once_alone_and_match_plain_decoding(
-    tiny_model_dir: Path, near_draft_dir: Path
+    tiny_model_dir: Path, near_draft_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two requests decode together (no draft), the short one ends, the long one carries on
     alone (with the draft, after catching it up): both equal their plain outputs."""
@@ -250,8 +251,11 @@ async def test_batched_rows_speculate_once_alone_and_match_plain_decoding(
     long = {"max_tokens": 40, "temperature": 0.0}
     want_short = (await plain_outputs(tiny_model_dir, [PROMPTS[0]], **short))[0]
     want_long = (await plain_outputs(tiny_model_dir, [PROMPTS[1]], **long))[0]
+    hold = hold_the_runner_intake(monkeypatch)
+    # The runner takes both at one step boundary and (chunks cut by the plan alone, not by a
+    # pace measured on a busy machine) prefills them in one step: they join the batch together.
     async with trio_mlx.open_engine(
-        tiny_model_dir, max_num_seqs=4, draft_model=near_draft_dir
+        tiny_model_dir, max_num_seqs=4, draft_model=near_draft_dir, prefill_chunk_seconds=60.0
     ) as engine:
         results: dict[str, Any] = {}
 
@@ -259,8 +263,11 @@ async def test_batched_rows_speculate_once_alone_and_match_plain_decoding(
             results[name] = await engine.generate(prompt, **sampling)
 
         async with trio.open_nursery() as nursery:
+            hold.close()
             nursery.start_soon(run, "long", PROMPTS[1], long)
             nursery.start_soon(run, "short", PROMPTS[0], short)
+            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 2)
+            hold.open()
         stats = engine.get_stats()
     assert results["short"].tokens == want_short.tokens
     assert results["long"].tokens == want_long.tokens

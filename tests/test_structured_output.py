@@ -15,6 +15,7 @@ import pytest
 import trio
 
 import trio_mlx
+from runner_intake import hold_the_runner_intake
 from servers import eventually
 from test_batching import PROMPTS, alone, assert_idle
 from tiny_model import build_tiny_model
@@ -70,23 +71,31 @@ async def test_both_routes_write_the_same_tokens(tiny_model_dir: Path) -> None:
 
 
 async def test_a_constrained_request_beside_unconstrained_ones_changes_none_of_them(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sampling = {"max_tokens": 16, "temperature": 0.0}
     expected = await alone(tiny_model_dir, PROMPTS[:3], **sampling)
     seeded = {"max_tokens": 200, "temperature": 0.8, "seed": 5, "output_format": FORMAT}
     async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
         reference = await engine.generate(PROMPTS[3], **seeded)
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+    hold = hold_the_runner_intake(monkeypatch)
+    # The runner takes all four at one step boundary and (chunks cut by the plan alone, not by
+    # a pace measured on a busy machine) prefills them in one step: they decode together.
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
+    ) as engine:
         results: dict[int, Any] = {}
 
         async def run(i: int, options: dict[str, Any]) -> None:
             results[i] = await engine.generate(PROMPTS[i], **options)
 
         async with trio.open_nursery() as nursery:
+            hold.close()
             for i in range(3):
                 nursery.start_soon(run, i, sampling)
             nursery.start_soon(run, 3, seeded)
+            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 4)
+            hold.open()
         assert [results[i].tokens for i in range(3)] == expected
         assert results[3].tokens == reference.tokens
         assert_valid(results[3].text)
@@ -96,7 +105,7 @@ async def test_a_constrained_request_beside_unconstrained_ones_changes_none_of_t
 
 
 async def test_two_constrained_requests_in_one_batch_each_equal_itself_alone(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     other = OutputFormat.regex(r"(yes|no)( indeed)?")
     jobs = [(PROMPTS[0], FORMAT, 0.0), (PROMPTS[1], other, 1.0), (PROMPTS[2], FORMAT, 1.0)]
@@ -107,7 +116,12 @@ async def test_two_constrained_requests_in_one_batch_each_equal_itself_alone(
                 prompt, max_tokens=200, temperature=temperature, seed=3, output_format=fmt
             )
             expected.append(out.tokens)
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+    hold = hold_the_runner_intake(monkeypatch)
+    # Taken at one step boundary, prefilled in one step (chunks cut by the plan alone): the
+    # three decode together.
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
+    ) as engine:
         got: dict[int, Any] = {}
 
         async def run(i: int) -> None:
@@ -117,14 +131,19 @@ async def test_two_constrained_requests_in_one_batch_each_equal_itself_alone(
             )
 
         async with trio.open_nursery() as nursery:
+            hold.close()
             for i in range(3):
                 nursery.start_soon(run, i)
+            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 3)
+            hold.open()
+        sizes = engine.get_stats()["runner"]["batch_sizes"]
+    assert max(int(size) for size in sizes) == 3
     assert [got[i].tokens for i in range(3)] == expected
     assert got[1].text in ("yes", "no", "yes indeed", "no indeed")
 
 
 async def test_greedy_constrained_rows_chosen_together_equal_each_alone(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     other = OutputFormat.json_schema({"type": "array", "items": {"type": "integer"}, "maxItems": 4})
     jobs: list[dict[str, Any]] = [
@@ -136,15 +155,25 @@ async def test_greedy_constrained_rows_chosen_together_equal_each_alone(
     base = {"max_tokens": 120, "temperature": 0.0}
     async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
         expected = [await engine.generate(PROMPTS[i], **base, **jobs[i]) for i in range(4)]
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+    hold = hold_the_runner_intake(monkeypatch)
+    # Taken at one step boundary, prefilled in one step (chunks cut by the plan alone): the
+    # four decode together.
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
+    ) as engine:
         got: dict[int, Any] = {}
 
         async def run(i: int) -> None:
             got[i] = await engine.generate(PROMPTS[i], **base, **jobs[i])
 
         async with trio.open_nursery() as nursery:
+            hold.close()
             for i in range(4):
                 nursery.start_soon(run, i)
+            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 4)
+            hold.open()
+        sizes = engine.get_stats()["runner"]["batch_sizes"]
+    assert max(int(size) for size in sizes) == 4
     for i in range(4):
         assert got[i].tokens == expected[i].tokens
     assert got[0].logprobs is not None and expected[0].logprobs is not None

@@ -105,8 +105,9 @@ async def test_an_abort_in_a_batch_leaves_its_companions_answers_unchanged(
                     break  # the victim is decoding
                 for i in range(len(companions)):
                     nursery.start_soon(companion, i)
-                # All three decode in one batch; then the victim's client goes away.
-                await eventually(lambda: engine.get_stats()["running"] == 3)
+                # All three decode in one batch (the runner's view, not admission's); then the
+                # victim's client goes away.
+                await eventually(lambda: engine.get_stats()["runner"]["decoding"] == 3, 30)
         assert answers == dict(enumerate(alone))
         stats = await wait_until_idle(engine)
         assert stats["runner"]["aborted"] >= 1

@@ -19,8 +19,9 @@ import trio
 from websockets.sync.client import connect
 
 from idle import wait_until_idle
-from model_wrappers import ScriptedReplies, wrapping_loader
-from servers import running_server
+from model_wrappers import GatedModel, ScriptedReplies, wrapping_loader
+from runner_intake import hold_the_runner_intake
+from servers import eventually, running_server
 from sse import chunks, named_events
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.http.server import RunningServer
@@ -387,11 +388,18 @@ async def test_bad_tools_and_items_on_responses_are_400s_naming_the_field(
 
 
 async def test_with_batching_a_tool_stream_gone_leaves_the_other_request_whole(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with running_server(tiny_model_dir, max_num_seqs=2) as server:
+    loader, made = wrapping_loader(GatedModel)
+    hold = hold_the_runner_intake(monkeypatch)
+    # Chunks cut by the plan alone, not by a pace measured on a busy machine: both prompts
+    # prefill in one step and decode together from their first token.
+    async with running_server(
+        tiny_model_dir, loader=loader, max_num_seqs=2, prefill_chunk_seconds=60.0
+    ) as server:
         engine = server.state.engine
         assert engine is not None
+        gate, held = made[0].gate, made[0].held
         other = {
             "messages": [{"role": "user", "content": "Tell me about Paris."}],
             "tools": TOOLS,
@@ -411,15 +419,28 @@ async def test_with_batching_a_tool_stream_gone_leaves_the_other_request_whole(
                     async for line in response.aiter_lines():
                         seen += line.startswith("data: {")
                         if seen == 3:
+                            # Hold the runner mid-step, so that the other request is still
+                            # decoding when this one goes.
+                            held.clear()
+                            gate.clear()
+                            await eventually(held.is_set)
                             break
+                # Gone: once the server has aborted it, the runner goes on.
+                await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 1)
+                gate.set()
 
             async def stayer() -> None:
                 result["reply"] = (await http.post("/v1/chat/completions", json=other)).json()
 
             with trio.fail_after(60):
                 async with trio.open_nursery() as nursery:
+                    hold.close()  # the runner takes both requests at one step boundary
                     nursery.start_soon(leaver)
                     nursery.start_soon(stayer)
+                    await eventually(
+                        lambda: engine.get_stats()["runner"]["requests_in_flight"] == 2
+                    )
+                    hold.open()
             stats = await wait_until_idle(engine)
         assert stats["runner"]["aborted"] == before["aborted"] + 1
         assert max(int(size) for size in stats["runner"]["batch_sizes"]) > 1  # they ran together
