@@ -13,12 +13,12 @@ transformer block (with its own KV cache), and the shared head lm_head(norm(.)) 
 K tokens after `pending` (t_n): the first from (t_n, h_(n-1)); each next one from the drafted token
 and the MTP block's own output for the one before (the module chained on itself), as vLLM does.
 
-`MtpDrafter` is the `speculative.Drafter` for it: the target's verification pass returns its hidden
-states, the ones of the tokens kept become the next step's input, and the chained entries are cut
-from the MTP cache so that every kept entry comes from the target's true hidden states. The MTP
-block sees only the positions whose hidden states a verification pass produced: the prompt (prefilled by
-the plain route, which keeps no hidden states) and stretches decoded in a batch with other rows are
-not in its cache; the first step after them is a plain target step (k = 0) that supplies the hidden
+`MtpDrafter` is the `speculative.Drafter` for it: the target's verification pass returns its
+hidden states, the ones of the tokens kept become the next step's input, and the chained entries
+are cut from the MTP cache so that every kept entry comes from the target's true hidden states.
+The MTP block sees only the positions whose hidden states a verification pass produced: the
+prompt (prefilled by the plain route, which keeps no hidden states) and stretches decoded in a
+batch with other rows are not in its cache; the first step after them is a plain target step (k = 0) that supplies the hidden
 state to draft from. This lowers the acceptance rate, never the output: verification is the
 target's, with the same acceptance code as a draft model (`speculative.Speculator.step`).
 """
