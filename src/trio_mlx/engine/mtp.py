@@ -18,9 +18,10 @@ hidden states, the ones of the tokens kept become the next step's input, and the
 are cut from the MTP cache so that every kept entry comes from the target's true hidden states.
 The MTP block sees only the positions whose hidden states a verification pass produced: the
 prompt (prefilled by the plain route, which keeps no hidden states) and stretches decoded in a
-batch with other rows are not in its cache; the first step after them is a plain target step (k = 0) that supplies the hidden
-state to draft from. This lowers the acceptance rate, never the output: verification is the
-target's, with the same acceptance code as a draft model (`speculative.Speculator.step`).
+batch with other rows are not in its cache; the first step after them is a plain target step
+(k = 0) that supplies the hidden state to draft from. This lowers the acceptance rate, never the
+output: verification is the target's, with the same acceptance code as a draft model
+(`speculative.Speculator.step`).
 """
 
 from __future__ import annotations
