@@ -224,8 +224,11 @@ class MtpDrafter:
         self, forward: Callable[[Any, Any, list[Any]], Any], tokens: mx.array, cache: list[Any]
     ) -> tuple[mx.array, mx.array]:
         """The target's pass over `tokens` (shape (1, k + 1)): its logits (k + 1, V) and hidden
-        states (k + 1, D)."""
-        hidden = forward(self._model.model, tokens, cache)
+        states (k + 1, D). Always the plain pass, never `forward`'s padded one
+        (`padded_attention`): DeepSeek-V3's MLA attention takes a boolean mask, which the padded
+        views' additive mask is not."""
+        del forward
+        hidden = self._model.model(tokens, cache=cache)
         return self._model.lm_head(hidden)[0], hidden[0]
 
     def settle(
