@@ -93,9 +93,10 @@ async def test_an_mtp_head_that_is_always_right_has_every_draft_accepted(
     assert stats["drafted_tokens"] > 0
     assert stats["accepted_tokens"] == stats["drafted_tokens"]
     assert stats["acceptance_rate"] == 1.0
-    # 23 tokens after the first, per request: one plain step (no hidden state yet), then steps
-    # of up to 5 tokens.
-    assert stats["speculative_steps"] + stats["plain_steps"] <= 2 * (1 + 5)
+    # The prompt's hidden states were captured at prefill: every step drafts, and the 23 tokens
+    # after the first come in steps of up to 5.
+    assert stats["plain_steps"] == 0
+    assert stats["speculative_steps"] <= 2 * 5
 
 
 @ROUTES
@@ -189,18 +190,19 @@ def test_the_cli_passes_mtp_to_the_engine(mtp_dir: Path) -> None:
 
 
 def test_the_mtp_cache_after_steps_equals_one_computed_from_scratch(mtp_dir: Path) -> None:
-    """After several speculative steps (refused drafts, chained entries cut back), the MTP
-    block's next draft is the one computed afresh: the target's hidden states over the whole
-    sequence, the block over each position from the first verified one (its token with the hidden
+    """After a chunked prefill and several speculative steps (refused drafts, chained entries cut
+    back), the MTP block's next draft is the one computed afresh: the target's hidden states over
+    the whole sequence, the block over every position from the second (its token with the hidden
     state before it)."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
+    from trio_mlx.engine.decode import GenerationJob, PrefillPlan
     from trio_mlx.engine.loading import load_model
     from trio_mlx.engine.mtp import MtpDrafter
     from trio_mlx.engine.prompt_cache import make_cache
-    from trio_mlx.engine.sampling import TokenSelector
     from trio_mlx.engine.speculative import Speculator
+    from trio_mlx.engine.speculative_sequence import SpeculativeSequence
     from trio_mlx.types import SamplingParams
 
     loaded = load_model(mtp_dir, mtp=True)
@@ -209,34 +211,30 @@ def test_the_mtp_cache_after_steps_equals_one_computed_from_scratch(mtp_dir: Pat
     speculator = Speculator(model, drafter, num_draft_tokens=3)
     prompt = list(loaded.tokenizer.encode(PROMPTS[1]))
     params = SamplingParams(max_tokens=40, temperature=0.0)
-    selector = TokenSelector(params, 49152, prompt)
-    cache = make_cache(model)
-    history = prompt[:-1]
-    model(mx.array([history], dtype=mx.uint32), cache=cache)
-    pending: int | None = prompt[-1]
-    state = speculator.open_draft()
-    generated = 1
-    first_verified = len(history)  # the first step is plain: it verifies `pending` only
-    for _ in range(6):
-        assert pending is not None
-        out = speculator.step(
-            cache, state, history, pending, selector, params, loaded.eos_token_ids, generated
-        )
-        history = [*history, *out.fed]
-        pending = out.pending
-        generated += len(out.tokens)
-    assert speculator.counters.steps == 5 and speculator.counters.plain_steps == 1
-    assert pending is not None
+    sequence = SpeculativeSequence(
+        speculator,
+        GenerationJob(request_id=1, prompt_tokens=tuple(prompt), params=params),
+        model,
+        loaded.eos_token_ids,
+        PrefillPlan(8),  # several prefill chunks, each feeding the MTP block
+        vocab_size=49152,
+    )
+    for _ in range(64):
+        if sequence.generated >= 20 or sequence.finished:
+            break
+        sequence.step()
+    assert speculator.counters.steps > 0
+    assert speculator.counters.plain_steps == 0  # the prompt's hidden states: drafts at once
+    history = list(sequence.fed_tokens())
+    state = sequence._draft
+    pending = sequence._pending
+    assert pending is not None and not sequence.finished
     incremental = drafter.start(state, history, pending)
 
     full = [*history, pending]
     hidden = model.model(mx.array([full], dtype=mx.uint32), cache=make_cache(model))[0]
-    tokens = mx.array([full[first_verified + 1 :]], dtype=mx.uint32)
-    fresh = model.mtp(
-        model.model.embed_tokens(tokens),
-        hidden[first_verified : len(full) - 1][None],
-        KVCache(),
-    )
+    tokens = mx.array([full[1:]], dtype=mx.uint32)
+    fresh = model.mtp(model.model.embed_tokens(tokens), hidden[: len(full) - 1][None], KVCache())
     expected = model.lm_head(model.mtp.norm(fresh))[:, -1, :]
     assert mx.allclose(incremental, expected, atol=1e-4).item()
     assert int(mx.argmax(incremental).item()) == int(mx.argmax(expected).item())

@@ -16,11 +16,14 @@ and the MTP block's own output for the one before (the module chained on itself)
 `MtpDrafter` is the `speculative.Drafter` for it: the target's verification pass returns its
 hidden states, the ones of the tokens kept become the next step's input, and the chained entries
 are cut from the MTP cache so that every kept entry comes from the target's true hidden states.
-The MTP block sees only the positions whose hidden states a verification pass produced: the
-prompt (prefilled by the plain route, which keeps no hidden states) and stretches decoded in a
-batch with other rows are not in its cache; the first step after them is a plain target step
-(k = 0) that supplies the hidden state to draft from. This lowers the acceptance rate, never the
-output: verification is the target's, with the same acceptance code as a draft model
+On the serialized route the prompt's hidden states are captured during prefill
+(`MtpDrafter.during_prefill`, through the model's `hidden_capture`) and fed to the block chunk by
+chunk, so the block attends over the prompt and the first speculative step drafts. Positions whose
+hidden states were never seen are not in its cache: a prefix restored from the prefix cache (the
+block's cache is not snapshotted), the prompt on the batched route (its prefill is the batch's),
+and stretches decoded in a batch with other rows; after such a gap the first step is a plain
+target step (k = 0) that supplies the hidden state to draft from. Gaps lower the acceptance rate,
+never the output: verification is the target's, with the same acceptance code as a draft model
 (`speculative.Speculator.step`).
 """
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx.nn import Linear, Module, RMSNorm  # type: ignore[attr-defined]
@@ -38,6 +41,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from trio_mlx.errors import ModelLoadError
+
+_T = TypeVar("_T")
 
 #: MTP weights other than the transformer block's, and where they go in our module (None: dropped,
 #: the module uses the model's own embedding and head, which these duplicate)
@@ -70,12 +75,31 @@ class DeepseekV3Mtp(Module):  # type: ignore[misc]
         return self.block(x, mask, cache)
 
 
+class HiddenCapture:
+    """While `on`, the model's calls leave their last hidden states (B, N, D) in `hidden`.
+    A plain object, not an array or module: MLX does not count it among the parameters."""
+
+    __slots__ = ("hidden", "on")
+
+    def __init__(self) -> None:
+        self.on = False
+        self.hidden: Any = None
+
+
 class DeepseekV3WithMtp(deepseek_v3.Model):
     """mlx-lm's DeepSeek-V3 model plus its MTP module (`mtp`), whose weights `sanitize` keeps."""
 
     def __init__(self, config: deepseek_v3.ModelArgs) -> None:
         super().__init__(config)
         self.mtp = DeepseekV3Mtp(config)
+        self.hidden_capture = HiddenCapture()
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        hidden = self.model(inputs, cache)
+        if self.hidden_capture.on:
+            self.hidden_capture.hidden = hidden
+        logits: mx.array = self.lm_head(hidden)
+        return logits
 
     def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
         first = self.args.num_hidden_layers
@@ -189,6 +213,43 @@ class MtpDrafter:
 
     def open(self) -> MtpState:
         return MtpState()
+
+    def during_prefill(
+        self, state: MtpState, run: Callable[[], _T], fed: Callable[[], Sequence[int]]
+    ) -> _T:
+        """Run `run` (one prefill chunk, or the first token, of the sequence whose cache holds
+        `fed()`) with the target's hidden states captured, and feed them to the MTP block: so it
+        sees the prompt too, and the first speculative step can draft."""
+        capture: HiddenCapture | None = getattr(self._model, "hidden_capture", None)
+        if capture is None:
+            return run()
+        start = len(fed())
+        capture.on, capture.hidden = True, None
+        try:
+            result = run()
+        finally:
+            capture.on = False
+        hidden, capture.hidden = capture.hidden, None
+        tokens = fed()
+        if hidden is not None and len(tokens) > start:
+            self._absorb(state, start, hidden[0, : len(tokens) - start], tokens)
+        return result
+
+    def _absorb(self, state: MtpState, start: int, rows: mx.array, tokens: Sequence[int]) -> None:
+        """Take the target's hidden states `rows` of positions `start`..: feed the block every
+        position whose token is known (all but the last one's successor); keep the last row."""
+        if state.hidden is not None and state.hidden_at + int(state.hidden.shape[0]) == start:
+            hidden = mx.concatenate([state.hidden, rows.astype(state.hidden.dtype)])
+            at = state.hidden_at
+        else:
+            hidden, at = rows, start
+        end = at + int(hidden.shape[0])
+        if end - at > 1:
+            ids = mx.array(list(tokens[at + 1 : end]), dtype=mx.uint32)
+            embeddings = self._model.model.embed_tokens(ids[None])
+            self._mtp(embeddings, hidden[None, :-1].astype(embeddings.dtype), state.cache)
+            mx.async_eval(state.cache.state)
+        state.hidden, state.hidden_at = hidden[-1:], end - 1
 
     def prepare(self, state: MtpState, history: Sequence[int]) -> tuple[bool, int]:
         """Whether the step may draft: the target's hidden state of the last history position is

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
@@ -46,6 +46,8 @@ from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.errors import ModelLoadError
 from trio_mlx.types import SamplingParams, TokenLogprob
+
+_T = TypeVar("_T")
 
 #: Tokens drafted per step when none is configured.
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -167,6 +169,11 @@ class Drafter(Protocol):
         """A fresh state for a new sequence."""
         ...
 
+    def during_prefill(self, state: Any, run: Callable[[], _T], fed: Callable[[], Any]) -> _T:
+        """Run `run`, one prefill chunk (or the first token) of the sequence whose target cache
+        holds `fed()`, taking from it what the drafter needs (or nothing)."""
+        ...
+
     def prepare(self, state: Any, history: Sequence[int]) -> tuple[bool, int]:
         """Before drafting: (whether this step may draft, history tokens fed outside drafting)."""
         ...
@@ -201,6 +208,11 @@ class ModelDrafter:
 
     def open(self) -> DraftCache:
         return DraftCache(make_cache(self._draft))
+
+    def during_prefill(
+        self, state: DraftCache, run: Callable[[], _T], fed: Callable[[], Any]
+    ) -> _T:
+        return run()  # the draft catches up on its own, in `prepare`
 
     def prepare(self, state: DraftCache, history: Sequence[int]) -> tuple[bool, int]:
         lag = len(history) - state.length
