@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +166,22 @@ async def test_mtp_on_a_model_without_mtp_weights_is_refused(
     with pytest.raises(ModelLoadError, match=r"carries no MTP layer \(no model.layers.2"):
         async with trio_mlx.open_engine(lying, mtp=True):
             pass  # pragma: no cover
+
+
+def test_serve_mtp_on_a_model_without_mtp_weights_is_one_startup_error_line(
+    tiny_model_dir: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_mlx", "serve", str(tiny_model_dir), "--port", "0", "--mtp"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    (line,) = [x for x in done.stderr.splitlines() if "trio-mlx: error" in x]
+    assert str(tiny_model_dir) in line and "--mtp needs a model whose checkpoint" in line
+    assert "listening" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_mtp_settings_are_checked(mtp_dir: Path) -> None:
