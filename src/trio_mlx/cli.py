@@ -266,6 +266,19 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens the draft model proposes per step (default: 4)",
     )
     parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help="native multi-token prediction: the model's own MTP head drafts tokens for it to "
+        "verify (DeepSeek-V3-style checkpoints with MTP weights; lossless; only while one "
+        "request decodes; refused for a model without MTP weights)",
+    )
+    parser.add_argument(
+        "--mtp-num-draft-tokens",
+        type=int,
+        default=4,
+        help="tokens the MTP head proposes per step (default: 4)",
+    )
+    parser.add_argument(
         "--cache-memory-mb",
         type=float,
         default=None,

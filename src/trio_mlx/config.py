@@ -64,6 +64,12 @@ class EngineConfig:
       (speculative decoding, lossless: `engine/speculative.py`). On the batched route it drafts
       only while one sequence decodes. Cannot be combined with `max_kv_size` (a rotating cache
       cannot be cut back after a refused draft). None: no draft.
+    - `mtp`: native multi-token prediction: the model's own MTP head (DeepSeek-V3-style
+      checkpoints that carry `num_nextn_predict_layers` weights, which mlx-lm drops and this
+      engine keeps: `engine/mtp.py`) drafts `mtp_num_draft_tokens` tokens per step for the model
+      to verify, with the same lossless acceptance as `draft_model`. Refused at start-up for a
+      model without MTP weights; not with `draft_model` or `max_kv_size`. On the batched route
+      it drafts only while one sequence decodes (several decode plainly).
     - `compiled_decode`: fuse each layer's q/k/v and gate/up projections at load, and decode
       through a step traced once per KV length bucket and replayed (the serialized route; the
       batched route with `TRIO_MLX_COMPILED_BATCH=on`, `engine/fast_decode.py` says why); llama,
@@ -101,6 +107,8 @@ class EngineConfig:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     draft_model: str | Path | None = None
     num_draft_tokens: int = 4
+    mtp: bool = False
+    mtp_num_draft_tokens: int = 4
 
     @property
     def admission_mode(self) -> AdmissionMode:
@@ -143,6 +151,15 @@ class EngineConfig:
             raise ValueError("default_max_tokens must be >= 1")
         if self.num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
+        if self.mtp_num_draft_tokens < 1:
+            raise ValueError("mtp_num_draft_tokens must be >= 1")
+        if self.mtp and self.draft_model is not None:
+            raise ValueError("mtp cannot be combined with draft_model: one drafter at a time")
+        if self.mtp and self.max_kv_size is not None:
+            raise ValueError(
+                "mtp cannot be combined with max_kv_size: speculative decoding cuts the "
+                "KV cache back after refused drafts, which a rotating cache cannot do"
+            )
         if self.draft_model is not None and self.max_kv_size is not None:
             raise ValueError(
                 "draft_model cannot be combined with max_kv_size: speculative decoding cuts the "

@@ -559,7 +559,7 @@ class Engine:
         speculation = None
         if speculator is not None:
             speculation = {
-                "draft_model": str(self.config.draft_model),
+                "draft_model": "mtp" if self.config.mtp else str(self.config.draft_model),
                 "num_draft_tokens": speculator.num_draft_tokens,
                 **speculator.counters.statistics(),
             }

@@ -81,6 +81,7 @@ from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.fast_decode import prepare_fast_decode
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.model_probe import probe_cache
+from trio_mlx.engine.mtp import MtpDrafter
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator, check_draft
 from trio_mlx.engine.speculative_sequence import SpeculativeSequence
@@ -186,10 +187,16 @@ class Runner:
         loader: ModelLoader = load_model,
         draft_model: str | Path | None = None,
         num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        mtp: bool = False,
+        mtp_num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     ) -> None:
+        if mtp and draft_model is not None:
+            raise ValueError("mtp and draft_model cannot be combined: one drafter at a time")
         self._model_spec = model
         self._draft_spec = draft_model
-        self._num_draft_tokens = num_draft_tokens
+        self._num_draft_tokens = mtp_num_draft_tokens if mtp else num_draft_tokens
+        #: native MTP: the model's own multi-token-prediction head drafts (`engine/mtp.py`)
+        self._mtp = mtp
         #: draft-model speculative decoding (`engine/speculative.py`), when a draft is configured
         self.speculator: Speculator | None = None
         self.max_num_seqs = max_num_seqs
@@ -377,9 +384,16 @@ class Runner:
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         import mlx.core as mx
 
-        loaded = self._loader(self._model_spec)
-        draft = None
-        if self._draft_spec is not None:
+        loaded = (
+            self._loader(self._model_spec, mtp=True)  # type: ignore[call-arg]
+            if self._mtp
+            else self._loader(self._model_spec)
+        )
+        draft: Any = None
+        if self._mtp:
+            draft = MtpDrafter(loaded.model)
+            check_draft(loaded, loaded, self._max_kv_size)  # the target's cache must trim
+        elif self._draft_spec is not None:
             draft = self._loader(self._draft_spec)
             check_draft(loaded, draft, self._max_kv_size)
         self._loaded.set()
@@ -412,12 +426,14 @@ class Runner:
         if draft is not None:
             self.speculator = Speculator(
                 loaded.model,
-                draft.model,
+                draft if self._mtp else draft.model,
                 num_draft_tokens=self._num_draft_tokens,
                 catch_up_tokens=self._prefill_plan.step,
             )
             log.info(
-                "speculative decoding with %s, %d draft tokens", draft.name, self._num_draft_tokens
+                "speculative decoding with %s, %d draft tokens",
+                "the model's MTP head" if self._mtp else draft.name,
+                self._num_draft_tokens,
             )
         if self.max_num_seqs > 1 and not mergeable:
             log.warning("this model's KV cache cannot be batched: serving one sequence at a time")

@@ -70,6 +70,8 @@ async def _serve(
         loader=loader,
         draft_model=cfg.draft_model,
         num_draft_tokens=cfg.num_draft_tokens,
+        mtp=cfg.mtp,
+        mtp_num_draft_tokens=cfg.mtp_num_draft_tokens,
     )
     book = AdmissionBook(slots=max_num_seqs, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
     admission = AdmissionController(book, max_wait=cfg.max_wait)

@@ -59,22 +59,31 @@ def _silence_length_warning(tokenizer: Any) -> None:
         warned["sequence-length-is-longer-than-the-specified-maximum"] = True
 
 
-def load_model(spec: str | Path | None, *, force_mllm: bool = False) -> LoadedModel:
+def load_model(
+    spec: str | Path | None, *, force_mllm: bool = False, mtp: bool = False
+) -> LoadedModel:
     """Resolve `spec` (see `resolve_model_path`) and load it with mlx-lm, or with mlx-vlm when it
-    is a vision-language model (`multimodal.loading.is_vision_model_dir`) or `force_mllm`.
+    is a vision-language model (`multimodal.loading.is_vision_model_dir`) or `force_mllm`. With
+    `mtp`, keep the checkpoint's multi-token-prediction module (`mtp.load_mtp_model`: the model
+    gains `.mtp`; refused for a model without one).
 
     Raises `ModelLoadError` naming the directory and the reason when anything about it is wrong.
     """
     resolved: ResolvedModel = resolve_model_path(spec)
     from trio_mlx.multimodal.loading import is_vision_model_dir
 
+    if mtp and (force_mllm or is_vision_model_dir(resolved.path)):
+        raise ModelLoadError(f"{resolved.path}: --mtp is not supported for vision-language models")
     if force_mllm or is_vision_model_dir(resolved.path):
         return _load_vision(resolved)
     import mlx_lm
 
     try:
-        result = mlx_lm.load(str(resolved.path))
-        model, tokenizer = result[0], result[1]
+        if mtp:
+            model, tokenizer = _load_with_mtp(resolved.path)
+        else:
+            result = mlx_lm.load(str(resolved.path))
+            model, tokenizer = result[0], result[1]
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -99,6 +108,16 @@ def load_model(spec: str | Path | None, *, force_mllm: bool = False) -> LoadedMo
     )
     log.info("loaded %s from %s (context %d)", loaded.name, loaded.path, loaded.context_length)
     return loaded
+
+
+def _load_with_mtp(path: Path) -> tuple[Any, Any]:
+    from mlx_lm.utils import load_tokenizer
+
+    from trio_mlx.engine.mtp import load_mtp_model
+
+    model, config = load_mtp_model(path)
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id", None))
+    return model, tokenizer
 
 
 def _load_vision(resolved: ResolvedModel) -> LoadedModel:

@@ -33,9 +33,9 @@ emits one plain token in that step, so a long prompt never stalls the stream or 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
@@ -46,6 +46,8 @@ from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.errors import ModelLoadError
 from trio_mlx.types import SamplingParams, TokenLogprob
+
+_T = TypeVar("_T")
 
 #: Tokens drafted per step when none is configured.
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -155,9 +157,95 @@ def output_width(model: Any) -> int:
     return int(logits.shape[-1])
 
 
+Forward = Callable[[Any, Any, list[Any]], Any]
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What proposes the drafted tokens (a draft model: `ModelDrafter`; a model's own MTP head:
+    `mtp.MtpDrafter`), with one state per sequence (`open`)."""
+
+    def open(self) -> Any:
+        """A fresh state for a new sequence."""
+        ...
+
+    def during_prefill(self, state: Any, run: Callable[[], _T], fed: Callable[[], Any]) -> _T:
+        """Run `run`, one prefill chunk (or the first token) of the sequence whose target cache
+        holds `fed()`, taking from it what the drafter needs (or nothing)."""
+        ...
+
+    def prepare(self, state: Any, history: Sequence[int]) -> tuple[bool, int]:
+        """Before drafting: (whether this step may draft, history tokens fed outside drafting)."""
+        ...
+
+    def start(self, state: Any, history: Sequence[int], pending: int) -> Any:
+        """Logits (1, V) for the token after `pending` (the state catching up as needed)."""
+        ...
+
+    def extend(self, state: Any, token: Any) -> Any:
+        """Logits (1, V) for the token after the drafted `token` (shape (1,))."""
+        ...
+
+    def verify(self, forward: Forward, tokens: Any, cache: list[Any]) -> tuple[Any, Any]:
+        """The target's pass over `tokens` (1, k + 1): its logits (k + 1, V) and anything the
+        drafter needs from it (given to `settle`)."""
+        ...
+
+    def settle(self, state: Any, history: Sequence[int], fed: int, extra: Any) -> None:
+        """After verification: the target's cache holds `history` and `fed` more tokens."""
+        ...
+
+
+class ModelDrafter:
+    """A draft model sharing the target's tokenizer, with a `DraftCache` per sequence that
+    catches up lazily, at most `catch_up_tokens` per step (see the module)."""
+
+    def __init__(self, target: Any, draft: Any, catch_up_tokens: int, forward: Forward) -> None:
+        self._target = target
+        self._draft = draft
+        self.catch_up_tokens = catch_up_tokens
+        self._forward = forward
+
+    def open(self) -> DraftCache:
+        return DraftCache(make_cache(self._draft))
+
+    def during_prefill(
+        self, state: DraftCache, run: Callable[[], _T], fed: Callable[[], Any]
+    ) -> _T:
+        return run()  # the draft catches up on its own, in `prepare`
+
+    def prepare(self, state: DraftCache, history: Sequence[int]) -> tuple[bool, int]:
+        lag = len(history) - state.length
+        if lag > self.catch_up_tokens:
+            chunk = mx.array(list(history[state.length : state.length + self.catch_up_tokens]))
+            self._forward(self._draft, chunk[None].astype(mx.uint32), state.cache)
+            mx.async_eval([c.state for c in state.cache])
+            state.length += int(chunk.size)
+            return False, int(chunk.size)
+        return True, lag
+
+    def start(self, state: DraftCache, history: Sequence[int], pending: int) -> Any:
+        feed = mx.array([*history[state.length :], pending], dtype=mx.uint32)
+        out = self._forward(self._draft, feed[None], state.cache)
+        state.length = len(history) + 1
+        return out[:, -1, :]
+
+    def extend(self, state: DraftCache, token: Any) -> Any:
+        out = self._forward(self._draft, token[None], state.cache)
+        state.length += 1
+        return out[:, -1, :]
+
+    def verify(self, forward: Forward, tokens: Any, cache: list[Any]) -> tuple[Any, Any]:
+        return forward(self._target, tokens, cache)[0], None
+
+    def settle(self, state: DraftCache, history: Sequence[int], fed: int, extra: Any) -> None:
+        state.trim_to(len(history) + fed)
+
+
 class Speculator:
-    """The target and draft models and how many tokens to draft: `step` advances one sequence
-    (whose caches and sampler are passed in) by one speculative step."""
+    """The target model and its drafter (a draft model, or a `Drafter` such as the model's own
+    MTP head) and how many tokens to draft: `step` advances one sequence (whose caches and
+    sampler are passed in) by one speculative step."""
 
     def __init__(
         self,
@@ -173,12 +261,16 @@ class Speculator:
         if catch_up_tokens < 1:
             raise ValueError("catch_up_tokens must be >= 1")
         self._target = target
-        self._draft = draft
         self.num_draft_tokens = num_draft_tokens
         self.catch_up_tokens = catch_up_tokens
         self._width = output_width(target)
         #: multi-token passes attend over whole cache buffers (`padded_attention`): CUDA only
         self.pad_attention = padded_attention_default() if pad_attention is None else pad_attention
+        self.drafter: Drafter = (
+            draft
+            if isinstance(draft, Drafter)
+            else ModelDrafter(target, draft, catch_up_tokens, self._forward)
+        )
         self.counters = SpeculationCounters()
 
     def _forward(self, model: Any, tokens: Any, cache: list[Any]) -> Any:
@@ -186,14 +278,14 @@ class Speculator:
             return padded_forward(model, tokens, cache)
         return model(tokens, cache=cache)
 
-    def open_draft(self) -> DraftCache:
-        """A fresh draft cache for a new sequence."""
-        return DraftCache(make_cache(self._draft))
+    def open_draft(self) -> Any:
+        """A fresh drafter state for a new sequence."""
+        return self.drafter.open()
 
     def step(
         self,
         target_cache: list[Any],
-        draft: DraftCache,
+        draft: Any,
         history: Sequence[int],
         pending: int,
         selector: TokenSelector,
@@ -205,24 +297,22 @@ class Speculator:
         target, keep the accepted ones and the target's next token.
 
         `target_cache` holds exactly `history` (prompt and generated tokens fed so far);
-        `pending` is the last generated token, not yet fed. `generated` tokens were emitted
-        before (at least `pending`). Both caches are trimmed to what was kept and the selector's
-        penalty state counts the emitted tokens. Raises whatever the models raise."""
+        `pending` is the last generated token, not yet fed; `draft` is the sequence's drafter
+        state (`open_draft`). `generated` tokens were emitted before (at least `pending`). Both
+        caches are trimmed to what was kept and the selector's penalty state counts the emitted
+        tokens. Raises whatever the models raise."""
         remaining = params.max_tokens - generated
         if remaining < 1:
             raise ValueError("no tokens left to generate")
         counters = self.counters
+        drafter = self.drafter
         k = min(self.num_draft_tokens, remaining - 1)
-        lag = len(history) - draft.length
-        if lag > self.catch_up_tokens:
-            chunk = mx.array(list(history[draft.length : draft.length + self.catch_up_tokens]))
-            self._forward(self._draft, chunk[None].astype(mx.uint32), draft.cache)
-            mx.async_eval([c.state for c in draft.cache])
-            draft.length += int(chunk.size)
-            counters.catch_up_tokens += int(chunk.size)
+        may_draft, caught_up = drafter.prepare(draft, history)
+        if not may_draft:
             k = 0
+            counters.catch_up_tokens += caught_up
         elif k:
-            counters.catch_up_tokens += lag
+            counters.catch_up_tokens += caught_up
         selector.fit_width(self._width)
         greedy = selector.greedy
         keys: Any = None if greedy else mx.random.split(selector.next_key(), k + 2)
@@ -230,27 +320,27 @@ class Speculator:
         states = [base]
         drafted: list[Any] = []
         draft_probs: list[Any] = []
-        if k:
-            feed = mx.array([*history[draft.length :], pending], dtype=mx.uint32)
-            for i in range(k):
-                out = self._forward(self._draft, feed[None], draft.cache)
-                logits = _fit_width(out[:, -1, :], self._width)
-                logits = selector.adjust(logits) if selector.adjusts_logits else logits
-                if greedy:
-                    token = mx.argmax(logits, axis=-1)
-                else:
-                    q = selector.distribution(logits)
-                    token = mx.random.categorical(mx.log(q), key=keys[i])
-                    draft_probs.append(q)
-                token = token.astype(mx.uint32)
-                selector.observe(token)
-                states.append(selector.checkpoint())
-                drafted.append(token)
-                feed = token
-                mx.async_eval(token)
-            draft.length = len(history) + k  # history, pending, d_1 .. d_(k-1)
+        for i in range(k):
+            out = (
+                drafter.start(draft, history, pending)
+                if i == 0
+                else drafter.extend(draft, drafted[-1])
+            )
+            logits = _fit_width(out, self._width)
+            logits = selector.adjust(logits) if selector.adjusts_logits else logits
+            if greedy:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                q = selector.distribution(logits)
+                token = mx.random.categorical(mx.log(q), key=keys[i])
+                draft_probs.append(q)
+            token = token.astype(mx.uint32)
+            selector.observe(token)
+            states.append(selector.checkpoint())
+            drafted.append(token)
+            mx.async_eval(token)
         verify = mx.concatenate([mx.array([pending], dtype=mx.uint32), *drafted])
-        raw = self._forward(self._target, verify[None], target_cache)[0]  # (k + 1, width)
+        raw, extra = drafter.verify(self._forward, verify[None], target_cache)  # (k + 1, width)
         adjusted = _adjust_rows(selector, raw, states)
         selector.rewind(base)
         proposals = mx.concatenate(drafted) if drafted else None
@@ -292,7 +382,7 @@ class Speculator:
         fed = [pending, *(tokens if finish == "stop" else tokens[:-1])]
         for layer in target_cache:
             layer.trim(k + 1 - len(fed))
-        draft.trim_to(len(history) + len(fed))
+        drafter.settle(draft, history, len(fed), extra)
         if k:
             counters.steps += 1
             counters.drafted_tokens += k

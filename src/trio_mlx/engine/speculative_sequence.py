@@ -93,18 +93,21 @@ class SpeculativeSequence:
         if self.finished:
             return StepResult(finish="length")
         if self._pending is None:
-            result = self._first.step(prefill_limit)
+            first = self._first
+            result = self._speculator.drafter.during_prefill(
+                self._draft, lambda: first.step(prefill_limit), first.fed_tokens
+            )
             if not result.tokens:  # a prefill chunk, or EOS first
                 self.finished = result.finish is not None
                 return result
-            first = result.tokens[0]
+            token = result.tokens[0]
             self.generated = 1
-            self._selector.observe(mx.array([first], dtype=mx.uint32))
+            self._selector.observe(mx.array([token], dtype=mx.uint32))
             if self.job.params.max_tokens == 1:
                 self.finished = True
                 return result
             self._history = list(self._first.fed_tokens())
-            self._pending = first
+            self._pending = token
             return dataclasses.replace(result, finish=None)
         out = self._speculator.step(
             self.cache,

@@ -202,6 +202,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if draft:
         engine_options["draft_model"] = Path(draft) if Path(draft).exists() else draft
         engine_options["num_draft_tokens"] = args.num_draft_tokens
+    if getattr(args, "mtp", False):
+        engine_options["mtp"] = True
+        engine_options["mtp_num_draft_tokens"] = args.mtp_num_draft_tokens
     kv_mb = getattr(args, "kv_memory_mb", None)
     if kv_mb is not None:
         engine_options["kv_memory_bytes"] = int(kv_mb * 1024 * 1024)

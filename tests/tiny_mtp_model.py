@@ -1,0 +1,120 @@
+"""A tiny randomly initialised DeepSeek-V3 with an MTP layer and the real SmolLM2 tokenizer.
+
+Like `tiny_model.py`, but the architecture is mlx-lm's `deepseek_v3` (MLA attention; a dense first
+layer and a small mixture of experts after it) and the weights carry, as DeepSeek-V3 checkpoints
+do, one multi-token-prediction layer under `model.layers.{num_hidden_layers}` (enorm, hnorm,
+eh_proj, a transformer block, shared_head.norm, and copies of the embedding and head), which
+mlx-lm's own loader would refuse (strict loading) and `engine/mtp.py` keeps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from trio_mlx.engine.default_model import default_gguf_path
+from trio_mlx.engine.gguf_tokenizer import write_tokenizer_files
+
+TINY_MTP_CONFIG = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def _scaled(params: dict[str, mx.array]) -> dict[str, mx.array]:
+    # Larger than default init so that the logits are spread out and greedy choices are stable.
+    return {k: v * 4.0 if v.ndim == 2 and "embed_q" not in k else v for k, v in params.items()}
+
+
+def build_tiny_mtp_model(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    with_mtp: bool = True,
+    echo: bool = False,
+    copy_target: bool = False,
+) -> Path:
+    """Write a deepseek_v3 directory with random weights (an MTP layer unless `with_mtp` is
+    False: then the config declares none either) and the SmolLM2 tokenizer into `out_dir`.
+    The main weights depend on `seed` only. `echo`: an MTP layer that passes the target's hidden
+    state through unchanged (eh_proj = [0 | I], the block's output projections zero), so that it
+    predicts again the token the target predicted at the position before: its drafts are the
+    pending token repeated, accepted exactly where the target repeats a token. `copy_target`:
+    the main layers' output projections zero and the head the embedding, so that the target
+    predicts its input token again (greedy output: the prompt's last token repeated)."""
+    from mlx_lm.models import deepseek_v3
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _weights, metadata = mx.load(str(default_gguf_path()), return_metadata=True)
+    write_tokenizer_files(metadata, out_dir, source="SmolLM2 GGUF")
+    config = dict(TINY_MTP_CONFIG)
+    mx.random.seed(seed)
+    args = deepseek_v3.ModelArgs.from_dict(config)
+    model = deepseek_v3.Model(args)
+    params = _scaled(dict(tree_flatten(model.parameters())))
+    if copy_target:
+        for key in list(params):
+            if key.endswith(("o_proj.weight", "down_proj.weight")):
+                params[key] = mx.zeros_like(params[key])
+        params["lm_head.weight"] = params["model.embed_tokens.weight"]
+    if with_mtp:
+        n = args.num_hidden_layers
+        block = deepseek_v3.DeepseekV3DecoderLayer(args, n)
+        prefix = f"model.layers.{n}."
+        for key, value in _scaled(dict(tree_flatten(block.parameters()))).items():
+            params[prefix + key] = value
+        width = args.hidden_size
+        params[prefix + "enorm.weight"] = mx.ones((width,))
+        params[prefix + "hnorm.weight"] = mx.ones((width,))
+        params[prefix + "shared_head.norm.weight"] = mx.ones((width,))
+        params[prefix + "eh_proj.weight"] = (
+            4.0 * mx.random.normal((width, 2 * width)) * ((2 * width) ** -0.5)
+        )
+        if echo:
+            eye = mx.concatenate([mx.zeros((width, width)), mx.eye(width)], axis=1)
+            params[prefix + "eh_proj.weight"] = eye
+            for part in (
+                "self_attn.o_proj.weight",
+                "mlp.switch_mlp.down_proj.weight",
+                "mlp.shared_experts.down_proj.weight",
+            ):
+                params[prefix + part] = mx.zeros_like(params[prefix + part])
+        params[prefix + "embed_tokens.weight"] = params["model.embed_tokens.weight"]
+        params[prefix + "shared_head.head.weight"] = params["lm_head.weight"]
+    else:
+        config["num_nextn_predict_layers"] = 0
+    mx.save_safetensors(str(out_dir / "model.safetensors"), params)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
