@@ -202,6 +202,16 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if draft:
         engine_options["draft_model"] = Path(draft) if Path(draft).exists() else draft
         engine_options["num_draft_tokens"] = args.num_draft_tokens
+    if getattr(args, "specprefill", False):
+        scorer = getattr(args, "specprefill_draft_model", None)
+        engine_options["specprefill_enabled"] = True
+        engine_options["specprefill_threshold"] = args.specprefill_threshold
+        engine_options["specprefill_keep_pct"] = args.specprefill_keep_pct
+        engine_options["specprefill_backbone_pct"] = args.specprefill_backbone_pct
+        if scorer:
+            engine_options["specprefill_draft_model"] = (
+                Path(scorer) if Path(scorer).exists() else scorer
+            )
     kv_mb = getattr(args, "kv_memory_mb", None)
     if kv_mb is not None:
         engine_options["kv_memory_bytes"] = int(kv_mb * 1024 * 1024)
