@@ -279,6 +279,36 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens the MTP head proposes per step (default: 4)",
     )
     parser.add_argument(
+        "--specprefill",
+        action="store_true",
+        help="SpecPrefill (approximate): score long prompts with a small model's attention and "
+        "prefill only the kept part (serialized route only; needs --specprefill-draft-model or "
+        "--draft-model; not with --max-kv-size)",
+    )
+    parser.add_argument(
+        "--specprefill-threshold",
+        type=int,
+        default=8192,
+        help="prompt tokens from which SpecPrefill applies (default: 8192)",
+    )
+    parser.add_argument(
+        "--specprefill-keep-pct",
+        type=float,
+        default=0.3,
+        help="fraction of a long prompt the target prefills (default: 0.3)",
+    )
+    parser.add_argument(
+        "--specprefill-backbone-pct",
+        type=float,
+        default=0.05,
+        help="leading fraction of the prompt always kept, e.g. a system prompt (default: 0.05)",
+    )
+    parser.add_argument(
+        "--specprefill-draft-model",
+        default=None,
+        help="the model SpecPrefill scores prompts with (default: --draft-model)",
+    )
+    parser.add_argument(
         "--cache-memory-mb",
         type=float,
         default=None,

@@ -70,6 +70,13 @@ class EngineConfig:
       to verify, with the same lossless acceptance as `draft_model`. Refused at start-up for a
       model without MTP weights; not with `draft_model` or `max_kv_size`. On the batched route
       it drafts only while one sequence decodes (several decode plainly).
+    - `specprefill_enabled`: SpecPrefill (`engine/specprefill.py`, approximate): a prompt of at
+      least `specprefill_threshold` tokens is scored by the attention of a small model
+      (`specprefill_draft_model`, else `draft_model`: one is needed) and the target prefills only
+      `specprefill_keep_pct` of it (always the last tokens and the first
+      `specprefill_backbone_pct`) at their true positions. Requests may override it
+      (`specprefill`, `specprefill_keep_pct`). Serialized route only (the batched route prefills
+      in full); cannot be combined with `max_kv_size`.
     - `compiled_decode`: fuse each layer's q/k/v and gate/up projections at load, and decode
       through a step traced once per KV length bucket and replayed (the serialized route; the
       batched route with `TRIO_MLX_COMPILED_BATCH=on`, `engine/fast_decode.py` says why); llama,
@@ -109,6 +116,18 @@ class EngineConfig:
     num_draft_tokens: int = 4
     mtp: bool = False
     mtp_num_draft_tokens: int = 4
+    specprefill_enabled: bool = False
+    specprefill_threshold: int = 8192
+    specprefill_keep_pct: float = 0.3
+    specprefill_backbone_pct: float = 0.05
+    specprefill_draft_model: str | Path | None = None
+
+    @property
+    def specprefill_scorer(self) -> str | Path | None:
+        """The model SpecPrefill scores prompts with (None when SpecPrefill is off)."""
+        if not self.specprefill_enabled:
+            return None
+        return self.specprefill_draft_model or self.draft_model
 
     @property
     def admission_mode(self) -> AdmissionMode:
@@ -165,5 +184,17 @@ class EngineConfig:
                 "draft_model cannot be combined with max_kv_size: speculative decoding cuts the "
                 "KV cache back after refused drafts, which a rotating cache cannot do"
             )
+        if self.specprefill_threshold < 1:
+            raise ValueError("specprefill_threshold must be >= 1")
+        if not 0.0 < self.specprefill_keep_pct <= 1.0:
+            raise ValueError("specprefill_keep_pct must be greater than 0 and at most 1")
+        if not 0.0 <= self.specprefill_backbone_pct <= 1.0:
+            raise ValueError("specprefill_backbone_pct must be from 0 to 1")
+        if self.specprefill_enabled and self.specprefill_scorer is None:
+            raise ValueError(
+                "specprefill needs a scoring model: specprefill_draft_model or draft_model"
+            )
+        if self.specprefill_enabled and self.max_kv_size is not None:
+            raise ValueError("specprefill cannot be combined with max_kv_size")
         if self.admission == "wait" and self.max_waiting == 0:
             raise ValueError("admission='wait' needs max_waiting > 0")

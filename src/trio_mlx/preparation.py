@@ -64,6 +64,8 @@ class SamplingOptions(TypedDict, total=False):
     reasoning: bool | None
     thinking_token_budget: int | None
     output_format: OutputFormat | None
+    specprefill: bool | None
+    specprefill_keep_pct: float | None
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,8 @@ class RequestPreparer:
             logit_bias=SamplingParams.normalize_logit_bias(options.get("logit_bias")),
             logprobs=options.get("logprobs", False),
             top_logprobs=options.get("top_logprobs", 0),
+            specprefill=options.get("specprefill"),
+            specprefill_keep_pct=options.get("specprefill_keep_pct"),
         )
         for token, _ in params.logit_bias:
             if not 0 <= token < self.vocab_size:

@@ -56,6 +56,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    #: SpecPrefill for this request (`engine/specprefill.py`): None follows the engine's setting
+    specprefill: bool | None = None
+    #: the fraction of a SpecPrefill prompt the target prefills (None: the engine's)
+    specprefill_keep_pct: float | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):
@@ -96,6 +100,14 @@ class SamplingParams:
             )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs to be true", param="top_logprobs")
+        if self.specprefill is not None and not isinstance(self.specprefill, bool):
+            raise InvalidRequest("specprefill must be a boolean", param="specprefill")
+        keep = self.specprefill_keep_pct
+        if keep is not None and (not _is_number(keep) or not 0.0 < keep <= 1.0):
+            raise InvalidRequest(
+                "specprefill_keep_pct must be greater than 0 and at most 1",
+                param="specprefill_keep_pct",
+            )
 
     @staticmethod
     def normalize_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:

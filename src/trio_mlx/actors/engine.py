@@ -551,7 +551,9 @@ class Engine:
         prefix cache under `"cache"` (see `get_cache_stats`), and speculative decoding under
         `"speculative"` (None without a draft model: `speculative_steps`, `drafted_tokens`,
         `accepted_tokens`, `acceptance_rate`, `tokens_per_step` per verification, `plain_steps`,
-        `catch_up_tokens`), its `acceptance_rate` also at the top level."""
+        `catch_up_tokens`), its `acceptance_rate` also at the top level, and SpecPrefill under
+        `"specprefill"` (None without a scoring model: its settings, `requests`, `prompt_tokens`,
+        `kept_tokens`, `skipped_tokens`, `kept_fraction`, `scoring_s`, `sparse_prefill_s`)."""
         admission = self._admission.book.statistics()
         counters = self._runner.counters
         last = self._last
@@ -609,6 +611,7 @@ class Engine:
             "multimodal": self.info.multimodal is not None,
             "acceptance_rate": None if speculation is None else speculation["acceptance_rate"],
             "speculative": speculation,
+            "specprefill": self._specprefill_stats(),
             "last_request": None
             if last is None
             else {
@@ -618,6 +621,21 @@ class Engine:
                 "time_to_first_token_s": last.time_to_first_token,
                 "generation_tps": last.generation_tps,
             },
+        }
+
+    def _specprefill_stats(self) -> dict[str, Any] | None:
+        """SpecPrefill's settings and counters (None when no scoring model is loaded)."""
+        runner = self._runner
+        if runner.scorer is None:
+            return None
+        settings = runner.specprefill
+        return {
+            "enabled": settings.enabled,
+            "threshold": settings.threshold,
+            "keep_pct": settings.keep_pct,
+            "backbone_pct": settings.backbone_pct,
+            "route": "batched: full prefill" if runner.batching else "serialized",
+            **runner.specprefill_counters.statistics(),
         }
 
     # ---- shutdown -----------------------------------------------------------------------------

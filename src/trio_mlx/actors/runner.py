@@ -83,6 +83,11 @@ from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.mtp import MtpDrafter
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
+from trio_mlx.engine.specprefill import (
+    SpecPrefillCounters,
+    SpecPrefillSequence,
+    SpecPrefillSettings,
+)
 from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator, check_draft
 from trio_mlx.engine.speculative_sequence import SpeculativeSequence
 from trio_mlx.errors import EngineCrashed
@@ -92,8 +97,9 @@ from trio_mlx.types import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
-#: What the serialized route steps: a text sequence, one with a draft, or one with media.
-LiveSequence = ActiveSequence | SpeculativeSequence | MultimodalSequence
+#: What the serialized route steps: a text sequence, one with a draft, one with media, or a long
+#: prompt's sparse prefill.
+LiveSequence = ActiveSequence | SpeculativeSequence | MultimodalSequence | SpecPrefillSequence
 
 ModelLoader = Callable[[str | Path | None], LoadedModel]
 
@@ -189,6 +195,8 @@ class Runner:
         num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         mtp: bool = False,
         mtp_num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        specprefill_model: str | Path | None = None,
+        specprefill: SpecPrefillSettings | None = None,
     ) -> None:
         if mtp and draft_model is not None:
             raise ValueError("mtp and draft_model cannot be combined: one drafter at a time")
@@ -199,6 +207,11 @@ class Runner:
         self._mtp = mtp
         #: draft-model speculative decoding (`engine/speculative.py`), when a draft is configured
         self.speculator: Speculator | None = None
+        self._scorer_spec = specprefill_model
+        self.specprefill = specprefill or SpecPrefillSettings()
+        #: the model SpecPrefill scores with (loaded when `specprefill_model` is given)
+        self.scorer: Any = None
+        self.specprefill_counters = SpecPrefillCounters()
         self.max_num_seqs = max_num_seqs
         self._chunk_seconds = prefill_chunk_seconds
         self.pacer = PrefillPacer(prefill_step_size, target_seconds=prefill_chunk_seconds)
@@ -396,6 +409,13 @@ class Runner:
         elif self._draft_spec is not None:
             draft = self._loader(self._draft_spec)
             check_draft(loaded, draft, self._max_kv_size)
+        if self._scorer_spec is not None:
+            if self._scorer_spec == self._draft_spec and draft is not None:
+                self.scorer = draft.model
+            else:
+                scorer = self._loader(self._scorer_spec)
+                check_draft(loaded, scorer, self._max_kv_size)
+                self.scorer = scorer.model
         self._loaded.set()
         if self._stop.is_set():  # cancelled while loading: nobody waits for this model
             return
@@ -509,11 +529,12 @@ class Runner:
                     counters.decode_steps += 1
                 counters.generated_tokens += len(result.tokens)
                 last = len(seq.job.prompt_tokens) - 1
-                for point in result.store_points:
+                for point in result.store_points:  # none from a SpecPrefill sequence
                     stores.append((seq, "prompt" if point == last else "system", point))
                 if result.finish is not None:
                     del live[request_id]
-                    stores.append((seq, "conversation", None))
+                    if getattr(seq, "snapshot_safe", True):
+                        stores.append((seq, "conversation", None))
                 if result.tokens or result.finish is not None:
                     finish: FinishReason | None = result.finish  # type: ignore[assignment]
                     events.append(
@@ -549,7 +570,7 @@ class Runner:
                 seq = live.pop(command.request_id, None)
                 if seq is not None:
                     self.counters.aborted += 1
-                    if command.store and seq.prefill_done:
+                    if command.store and seq.prefill_done and getattr(seq, "snapshot_safe", True):
                         self._snapshots.store(seq, "conversation")
                 continue
             if isinstance(command, _ClearSnapshots):
@@ -560,6 +581,22 @@ class Runner:
             try:
                 if isinstance(job, MultimodalJob):
                     live[job.request_id] = self._multimodal_sequence(job, loaded, vocab_size)
+                    self.counters.started += 1
+                    continue
+                if self.scorer is not None and self.specprefill.applies(
+                    len(job.prompt_tokens), job.params.specprefill
+                ):
+                    # Approximate: from no cached prefix, and nothing of it is stored.
+                    live[job.request_id] = SpecPrefillSequence(
+                        job,
+                        loaded.model,
+                        self.scorer,
+                        self.specprefill,
+                        self.specprefill_counters,
+                        loaded.eos_token_ids,
+                        vocab_size=vocab_size,
+                        chunk_tokens=plan.step,
+                    )
                     self.counters.started += 1
                     continue
                 cache, cached_tokens = self._snapshots.restore_for(job, plan.block)

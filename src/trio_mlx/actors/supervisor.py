@@ -29,6 +29,7 @@ from trio_mlx.engine.batch import default_max_num_seqs, device_memory_bytes
 from trio_mlx.engine.kv_snapshots import SnapshotSupport
 from trio_mlx.engine.loading import load_model
 from trio_mlx.engine.mlx_cuda import keep_attention_graphs
+from trio_mlx.engine.specprefill import SpecPrefillSettings
 from trio_mlx.errors import EngineCrashed
 
 
@@ -72,6 +73,13 @@ async def _serve(
         num_draft_tokens=cfg.num_draft_tokens,
         mtp=cfg.mtp,
         mtp_num_draft_tokens=cfg.mtp_num_draft_tokens,
+        specprefill_model=cfg.specprefill_scorer,
+        specprefill=SpecPrefillSettings(
+            enabled=cfg.specprefill_enabled,
+            threshold=cfg.specprefill_threshold,
+            keep_pct=cfg.specprefill_keep_pct,
+            backbone_pct=cfg.specprefill_backbone_pct,
+        ),
     )
     book = AdmissionBook(slots=max_num_seqs, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
     admission = AdmissionController(book, max_wait=cfg.max_wait)

@@ -71,6 +71,10 @@ class SamplingFields(_Body):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    #: SpecPrefill for this request (an approximate sparse prefill of a long prompt; None: the
+    #: server's setting) and the fraction of the prompt it keeps
+    specprefill: bool | None = None
+    specprefill_keep_pct: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     logit_bias: Annotated[
         dict[
             Annotated[str, Field(pattern=r"^-?[0-9]+$")],
@@ -121,6 +125,8 @@ class SamplingFields(_Body):
             "presence_penalty",
             "frequency_penalty",
             "logit_bias",
+            "specprefill",
+            "specprefill_keep_pct",
         ):
             value = getattr(self, name)
             if value is not None:

@@ -205,6 +205,16 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if getattr(args, "mtp", False):
         engine_options["mtp"] = True
         engine_options["mtp_num_draft_tokens"] = args.mtp_num_draft_tokens
+    if getattr(args, "specprefill", False):
+        scorer = getattr(args, "specprefill_draft_model", None)
+        engine_options["specprefill_enabled"] = True
+        engine_options["specprefill_threshold"] = args.specprefill_threshold
+        engine_options["specprefill_keep_pct"] = args.specprefill_keep_pct
+        engine_options["specprefill_backbone_pct"] = args.specprefill_backbone_pct
+        if scorer:
+            engine_options["specprefill_draft_model"] = (
+                Path(scorer) if Path(scorer).exists() else scorer
+            )
     kv_mb = getattr(args, "kv_memory_mb", None)
     if kv_mb is not None:
         engine_options["kv_memory_bytes"] = int(kv_mb * 1024 * 1024)
