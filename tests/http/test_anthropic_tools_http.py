@@ -228,7 +228,14 @@ async def test_the_raw_stream_opens_a_tool_use_block_then_sends_json_pieces(
 async def test_tool_choice_any_and_tool_ask_for_a_call_and_none_offers_nothing(
     scripted: Scripted,
 ) -> None:
-    scripted.will_reply(CALL, TIME_CALL, CALL, CALL)
+    # Forced calls (`any`, `tool`) are written as the forced grammar's JSON (an array: parallel
+    # calls are allowed), not in the template's markup, which the grammar refuses.
+    scripted.will_reply(
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        '[{"name": "get_time", "arguments": {}}]',
+        CALL,
+        CALL,
+    )
     async with scripted.client() as claude:
         ask: Any = {"model": "tiny", "max_tokens": 64, "messages": ASK, "tools": TOOLS}
         anyone = await claude.messages.create(**ask, tool_choice={"type": "any"})
