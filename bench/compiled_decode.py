@@ -19,7 +19,8 @@ queuing step k+1 before reading token k (as the engine does):
   experimental: what `TRIO_MLX_DECODE_ATTENTION=kernel` serves), on MLX's CUDA backend only, after
   a numeric check of the kernel against the same arithmetic in MLX ops (`kernel_check`);
 - `engine`: `decode.ActiveSequence` with the traced step on the fused model, stepped as the
-  runner steps it (the real per-step code, total time only).
+  runner steps it (the real per-step code, total time only);
+- `engine_fused`: the same without the traced step (what a GPU serves by default).
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
 (`build_ms`: Python, or the traced step's replay), queuing it (`dispatch_ms`: `mx.async_eval`,
 MLX's C++ dispatch and kernel launches), waiting for the token (`wait_ms`: the device behind the
@@ -58,7 +59,16 @@ from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.fused import fuse_projections
 from trio_mlx.types import SamplingParams
 
-VARIANTS = ("mlx_lm", "plain", "fused", "compiled", "compiled+fused", "kernel", "engine")
+VARIANTS = (
+    "mlx_lm",
+    "plain",
+    "fused",
+    "compiled",
+    "compiled+fused",
+    "kernel",
+    "engine",
+    "engine_fused",
+)
 DEFAULT_MODELS = "synthetic:llama-1b-bf16,synthetic:llama-8b-bf16,synthetic:llama-8b-q4"
 
 
@@ -192,7 +202,7 @@ def mlx_lm_decode(model: Any, prompt: Any, cell: Cell) -> tuple[float, float]:
 
 
 def engine_decode(
-    model: Any, prompt: tuple[int, ...], cell: Cell, decoder: CompiledDecode, vocab: int
+    model: Any, prompt: tuple[int, ...], cell: Cell, decoder: CompiledDecode | None, vocab: int
 ) -> tuple[float, float]:
     job = GenerationJob(1, prompt, SamplingParams(max_tokens=cell.n, temperature=0.0))
     seq = ActiveSequence(
@@ -219,9 +229,10 @@ def run_variant(
     prompt = ids.astype(mx.uint32)
     if variant == "mlx_lm":
         return mlx_lm_decode(model, prompt, cell)
-    if variant == "engine":
+    if variant in ("engine", "engine_fused"):
         ids_tuple = tuple(int(i) for i in ids.tolist())
-        return engine_decode(fused, ids_tuple, cell, decoders["compiled+fused"], vocab)
+        decoder = decoders["compiled+fused"] if variant == "engine" else None
+        return engine_decode(fused, ids_tuple, cell, decoder, vocab)
     subject = model if variant in ("plain", "compiled") else fused
     decoder = decoders.get(variant)
     step = plain_step(subject) if decoder is None else compiled_step(decoder)

@@ -79,7 +79,7 @@ fi
 
 if [[ "${1:-}" == "stage" ]]; then
   ../shared/gpu/stage-wheels "${PINS[@]}" "${@:2}"  # extra packages after "stage"
-  tok=$(/tmp/venv/bin/python -c 'from trio_mlx.engine.model_spec import resolve_model_path as r; print(r(None).path)')
+  tok=$(${PYTHON:-/tmp/venv/bin/python} -c 'from trio_mlx.engine.model_spec import resolve_model_path as r; print(r(None).path)')
   mkdir -p .whl/2/tokenizer
   cp "$tok"/tokenizer.json "$tok"/tokenizer_config.json .whl/2/tokenizer/
   [[ -f "$tok/special_tokens_map.json" ]] && cp "$tok/special_tokens_map.json" .whl/2/tokenizer/

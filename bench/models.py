@@ -74,8 +74,20 @@ class Subject:
 
 
 def write_tokenizer(out: Path) -> None:
-    """Write the SmolLM2 tokenizer files (tokenizer.json, tokenizer_config.json, chat template)."""
+    """Write the SmolLM2 tokenizer files (tokenizer.json, tokenizer_config.json, chat template).
+
+    From $TRIO_MLX_BENCH_TOKENIZER's directory when it is set (the GPU host cannot fetch the GGUF).
+    """
+    import shutil
+
     import mlx.core as mx
+
+    staged = os.environ.get("TRIO_MLX_BENCH_TOKENIZER")
+    if staged:
+        out.mkdir(parents=True, exist_ok=True)
+        for item in Path(staged).iterdir():
+            shutil.copy(item, out / item.name)
+        return
 
     from trio_mlx.engine.default_model import default_gguf_path
     from trio_mlx.engine.gguf_tokenizer import write_tokenizer_files

@@ -186,6 +186,30 @@ async def test_the_engine_gives_the_plain_tokens_with_the_prefix_cache_and_abort
     assert len(compiled[0]) == 80  # crossed into the second bucket
 
 
+async def test_fused_projections_alone_give_the_plain_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU default (fused projections, the plain step) on the CPU, where rounding cannot
+    split a tie: the same tokens, the prefix cache and an abort included, and nothing traced."""
+    import trio_mlx.engine.fast_decode as fast_decode
+
+    steps = CountingSteps(monkeypatch)
+    groups: list[int] = []
+
+    def counted(model: Any) -> int:
+        groups.append(fuse_projections(model))
+        return groups[-1]
+
+    monkeypatch.setattr(fast_decode, "fuse_projections", counted)
+    async with trio_mlx.open_engine(tiny_model_dir, fused_projections=True) as engine:
+        fused = await _script(engine)
+    assert steps.calls == 0
+    assert groups == [4]  # two layers, attention and MLP each
+    async with trio_mlx.open_engine(tiny_model_dir, fused_projections=False) as engine:
+        plain = await _script(engine)
+    assert fused == plain
+
+
 async def _batched_script(engine: trio_mlx.Engine) -> list[list[int]]:
     """Rows of different lengths joining at different times and leaving at different times (one
     crossing from the 256- into the 512-position bucket), one aborted mid-way, and a request
@@ -351,8 +375,12 @@ def test_the_default_is_off_and_asked_for_it_fuses_and_traces(
     assert mx.default_device() == mx.cpu
     model = load_model(tiny_model_dir).model
     assert prepare_fast_decode(model, None) is None
-    assert "q_proj" in model.layers[0].self_attn  # untouched
+    assert "q_proj" in model.layers[0].self_attn  # untouched: both default to off on the CPU
     assert prepare_fast_decode(model, False) is None
+    assert "q_proj" in model.layers[0].self_attn
+    fused_only = load_model(tiny_model_dir).model
+    assert prepare_fast_decode(fused_only, False, True) is None  # fused, plain step
+    assert "qkv_proj" in fused_only.layers[0].self_attn
     assert isinstance(prepare_fast_decode(model, True), CompiledDecode)
     assert "qkv_proj" in model.layers[0].self_attn
     assert prepare_fast_decode(Delegating(load_model(tiny_model_dir).model), True) is None

@@ -150,6 +150,49 @@ def test_the_target_cache_holds_the_kept_tokens_at_their_true_positions(
     assert sparse.offset - sparse.stored == 300 - len(kept)
 
 
+def _sparse_prefill(target: Any, scorer: Any, prompt: list[int], *, positioned: bool) -> Any:
+    job = GenerationJob(1, tuple(prompt), SamplingParams(max_tokens=4, temperature=0.0))
+    seq = SpecPrefillSequence(
+        job,
+        target.model,
+        scorer.model,
+        SpecPrefillSettings(enabled=True, threshold=THRESHOLD, keep_pct=0.3, backbone_pct=0.05),
+        SpecPrefillCounters(),
+        target.eos_token_ids,
+        vocab_size=len(target.tokenizer),
+        chunk_tokens=64,
+    )
+    seq._positioned = positioned
+    passes = 0
+    while seq.kept_positions is None or seq.in_prefill:
+        result = seq.step(64)
+        passes += result.prefilled > 0
+        assert passes < 100
+    return seq, passes
+
+
+def test_chunks_spanning_gaps_equal_the_run_by_run_prefill(
+    tiny_model_dir: Path, scorer_dir: Path
+) -> None:
+    """Kept tokens fed in full chunks, each rotated by its own position (`PositionedRoPE`), give
+    every layer's cache of the one-pass-per-run route, in fewer passes."""
+    target = load_model(tiny_model_dir)
+    scorer = load_model(scorer_dir)
+    prompt = long_prompt(400, seed=3)
+    chunked, chunk_passes = _sparse_prefill(target, scorer, prompt, positioned=True)
+    runs, run_passes = _sparse_prefill(target, scorer, prompt, positioned=False)
+    kept = chunked.kept_positions
+    assert kept == runs.kept_positions
+    # (the last pass is the decoder's, over the prompt's last token)
+    assert chunk_passes == math.ceil((len(kept) - 1) / 64) + 1 < run_passes
+    n = len(kept)
+    for a, b in zip(chunked.cache, runs.cache, strict=True):
+        keys_a, values_a = a.keys_and_values()
+        keys_b, values_b = b.keys_and_values()
+        assert mx.allclose(keys_a[:, :, :n], keys_b[:, :, :n], atol=1e-4).item()
+        assert mx.allclose(values_a[:, :, :n], values_b[:, :, :n], atol=1e-4).item()
+
+
 # ---- through the engine ----------------------------------------------------------------------
 
 

@@ -233,7 +233,14 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="fuse q/k/v and gate/up projections and decode through a traced step replayed per "
-        "KV length bucket; experimental, not yet measured on a GPU (default: off)",
+        "KV length bucket; experimental: slower than the plain step on the H200 (default: off)",
+    )
+    parser.add_argument(
+        "--fused-projections",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fuse each layer's q/k/v and gate/up projections at load (fewer kernel launches a "
+        "decode step; default: on on a GPU for unquantized weights, else off)",
     )
     parser.add_argument(
         "--max-tokens",

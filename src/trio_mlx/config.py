@@ -81,7 +81,15 @@ class EngineConfig:
       through a step traced once per KV length bucket and replayed (the serialized route; the
       batched route with `TRIO_MLX_COMPILED_BATCH=on`, `engine/fast_decode.py` says why); llama,
       qwen2 and qwen3 models with an unbounded KV cache and no draft model, else the plain path.
-      None: off for now (checked token for token on the CPU, not yet measured on a GPU).
+      None: off. Measured on the H200 (`bench.compiled_decode`, docs/benchmarks/README.md,
+      "Compiled decode"): the traced step's replay dispatches more slowly than the plain step
+      builds and dispatches, 0.60–0.93x its tok/s; it stays an experiment.
+    - `fused_projections`: fuse each layer's q/k/v and gate/up projections at load
+      (`engine/fused.py`: two matrix products a layer where there were five), the plain decode
+      step otherwise; also the draft model's. None: on where MLX runs on a GPU and the
+      projections are not quantized (H200, the same bench: 1.07–1.44x the plain step on the
+      bf16 shapes, 0.93–1.01x on 4-bit), off on the CPU (where arithmetic, not kernel
+      launches, sets a step's time).
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):
@@ -108,6 +116,7 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     prefill_chunk_seconds: float = 0.25
     compiled_decode: bool | None = None
+    fused_projections: bool | None = None
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None
     force_mllm: bool = False

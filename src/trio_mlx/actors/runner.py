@@ -190,6 +190,7 @@ class Runner:
         max_num_seqs: int = 1,
         prefill_chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
         compiled_decode: bool | None = None,
+        fused_projections: bool | None = None,
         loader: ModelLoader = load_model,
         draft_model: str | Path | None = None,
         num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
@@ -223,6 +224,7 @@ class Runner:
         self._prefill_plan = PrefillPlan(prefill_step_size)  # chosen again once a model is loaded
         self._max_kv_size = max_kv_size
         self._compiled_option = compiled_decode
+        self._fused_option = fused_projections
         #: the model's traced decode step (`fast_decode`), None when off or unsupported
         self.compiled: CompiledDecode | None = None
         self._loader = loader
@@ -423,7 +425,9 @@ class Runner:
             log.info("compiled decode off: a draft model verifies several tokens a step")
         # With a draft, decode steps are the speculator's (several tokens a pass): no traced step.
         compiled_option = False if draft is not None else self._compiled_option
-        self.compiled = prepare_fast_decode(loaded.model, compiled_option)
+        self.compiled = prepare_fast_decode(loaded.model, compiled_option, self._fused_option)
+        if draft is not None and not self._mtp:  # a draft model's steps are launch-bound too
+            prepare_fast_decode(draft.model, False, self._fused_option)
         info = describe(loaded, self._max_kv_size)
         step, tail, block = self._prefill_options
         self._prefill_plan = PrefillPlan.choose(

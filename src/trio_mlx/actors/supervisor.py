@@ -68,6 +68,7 @@ async def _serve(
         max_num_seqs=max_num_seqs,
         prefill_chunk_seconds=cfg.prefill_chunk_seconds,
         compiled_decode=cfg.compiled_decode,
+        fused_projections=cfg.fused_projections,
         loader=loader,
         draft_model=cfg.draft_model,
         num_draft_tokens=cfg.num_draft_tokens,

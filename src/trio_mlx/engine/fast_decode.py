@@ -1,16 +1,21 @@
-"""What `EngineConfig.compiled_decode` turns on for a loaded model. Runner thread only.
+"""What `EngineConfig.compiled_decode` and `EngineConfig.fused_projections` turn on for a loaded
+model. Runner thread only.
 
-- fused q/k/v and gate/up projections (`fused.fuse_projections`);
+- fused q/k/v and gate/up projections (`fused.fuse_projections`): two matrix products a layer
+  where there were five. `fused_projections` None: on where MLX runs on a GPU, where a decode
+  step is bound by launching kernels (H200, `bench.compiled_decode`, batch 1, tok/s over the plain
+  step, two runs: 1B bf16 1.14-1.29x at a 128-token prompt and 1.08-1.44x at 1,536; 8B bf16
+  1.10x / 1.07x; 8B 4-bit 0.93-1.01x, hence off for quantized models), off on the CPU, where
+  arithmetic sets a step's time.
 - the decode step traced once per KV length bucket and replayed (`compiled_step.CompiledDecode`):
   one sequence's on the serialized route; the batch's on the batched route only with
-  `TRIO_MLX_COMPILED_BATCH=on` (experimental: the batch step is traced once per batch size and
-  bucket, and under load the batch size changes with every arrival and departure, each new one a
-  stall of one trace for every row; `bench/batch_ceiling.py` measures it at fixed sizes).
-
-`None` (the default) means off for now: the traced step is checked token for token on the CPU,
-where the host is not what limits a decode step (the device's arithmetic is), but it has not yet
-run on a GPU, where it is meant to pay; it becomes the GPU default once measured there
-(docs/benchmarks/README.md, "Compiled decode").
+  `TRIO_MLX_COMPILED_BATCH=on` (the batch step is traced once per batch size and bucket, and
+  under load the batch size changes with every arrival and departure, each new one a stall of
+  one trace for every row; `bench/batch_ceiling.py` measures it at fixed sizes). It implies the
+  fused projections. `compiled_decode` None: off. On the H200 its replay dispatches more slowly
+  than the plain step is built and dispatched (the same bench: 0.60–0.93x the plain step's
+  tok/s, the fused model's traced step 0.71–0.99x the fused model's plain one), so it stays an
+  experiment (docs/benchmarks/README.md, "Compiled decode").
 """
 
 from __future__ import annotations
@@ -36,18 +41,36 @@ def compiled_batch_enabled() -> bool:
 
 
 def default_compiled_decode() -> bool:
-    """Off on every backend until the traced step is measured on a GPU (module docstring)."""
+    """Off on every backend: slower than the plain step where it was measured (module docstring)."""
     return False
 
 
-def prepare_fast_decode(model: Any, enabled: bool | None) -> CompiledDecode | None:
-    """Apply the option to `model` (in place: fused projections) and return its traced decode
-    step, warmed up (`CompiledDecode.warm_up`: every bucket up to 4,096 positions traced at load,
-    not in a request), or None where it is off, the model cannot take it or the warm-up step
-    fails (logged once; the plain step serves)."""
+def default_fused_projections(model: Any) -> bool:
+    """On where MLX runs on a GPU for a model with unquantized projections; off for a quantized
+    one (no gain measured) and on the CPU (module docstring)."""
+    import mlx.core as mx
+    from mlx.nn import QuantizedLinear  # type: ignore[attr-defined]
+
+    if mx.default_device() != mx.gpu:
+        return False
+    return not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def prepare_fast_decode(
+    model: Any, enabled: bool | None, fused: bool | None = None
+) -> CompiledDecode | None:
+    """Apply the options to `model` (in place: fused projections, when `fused` or `enabled`
+    resolve to on) and return its traced decode step, warmed up (`CompiledDecode.warm_up`:
+    every bucket up to 4,096 positions traced at load, not in a request), or None where it is
+    off, the model cannot take it or the warm-up step fails (logged once; the plain step
+    serves)."""
     if enabled is None:
         enabled = default_compiled_decode()
+    if fused is None:
+        fused = default_fused_projections(model)
     if not enabled:
+        if fused:
+            log.info("fused projection groups: %d", fuse_projections(model))
         return None
     groups = fuse_projections(model)
     reason = unsupported_reason(model)

@@ -11,10 +11,14 @@ route (`SpecPrefillSequence`, with `decode.ActiveSequence`'s interface):
 2. Selection (`select_positions`): the first `backbone_pct * n` tokens (a system prompt) and the
    last `W` are always kept; the rest of the budget (`keep_pct * n` tokens in all) goes to the
    `SELECTION_CHUNK`-token chunks with the highest mean score.
-3. Sparse prefill: the target prefills the kept tokens, run by run, at their TRUE positions
-   (`PositionedKVCache`: RoPE sees the original position, the storage holds only kept tokens),
-   and the last kept token (the prompt's last) starts decoding at position `n - 1`: every later
-   position continues from the full prompt length. Decoding is the plain route's
+3. Sparse prefill: the target prefills the kept tokens at their TRUE positions, in chunks of
+   the prefill size whatever gaps they span: every attention layer's `rope` is wrapped
+   (`PositionedRoPE`) to rotate each token by its own position while a chunk runs; the storage
+   holds only kept tokens, in order, so the causal mask over them is the plain one. A model
+   without a `rope` attribute on its attention falls back to one forward pass per run of
+   consecutive positions (`PositionedKVCache.shift`). The last kept token (the prompt's last)
+   starts decoding at position `n - 1`: every later position continues from the full prompt
+   length. Decoding is the plain route's
    (`ActiveSequence` over the kept tokens, no draft model, no traced step).
 
 Such a cache is approximate: it is never snapshotted into the prefix cache (`snapshot_safe`).
@@ -165,6 +169,45 @@ class PositionedKVCache(KVCache):
             self.shift = shift
 
 
+# ---- per-token positions -------------------------------------------------------------------
+
+_positions = threading.local()
+
+
+class PositionedRoPE:
+    """A model's RoPE module that, while `_positions.value` (an int32 array of the chunk's
+    positions) is set on this thread, rotates token i by position `value[i]` rather than by
+    `offset + i`: the chunk's tokens become a batch of one-token rows, each with its own offset,
+    through the same module (its frequencies and scaling kept). Otherwise a pass-through."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, x: Any, offset: Any = 0) -> Any:
+        positions = getattr(_positions, "value", None)
+        if positions is None or x.shape[0] != 1 or x.shape[-2] != positions.shape[0]:
+            return self.inner(x, offset=offset)
+        rows = x.swapaxes(0, 2)  # (1, H, L, D) -> (L, H, 1, D)
+        return self.inner(rows, offset=positions).swapaxes(0, 2)
+
+
+def install_positioned_rope(model: Any) -> bool:
+    """Wrap every `rope` of `model`'s modules in a `PositionedRoPE` (once; an instance attribute
+    shadows the module's entry, so parameters and weights are untouched). False if none has one."""
+    import mlx.nn as nn
+
+    found = False
+    for module in model.modules():
+        inner = module.get("rope") if isinstance(module, dict) else None
+        current = getattr(module, "rope", None)
+        if isinstance(current, PositionedRoPE):
+            found = True
+        elif isinstance(inner, nn.Module):  # type: ignore[attr-defined]
+            object.__setattr__(module, "rope", PositionedRoPE(inner))
+            found = True
+    return found
+
+
 # ---- attention recording -----------------------------------------------------------------------
 
 _recording = threading.local()
@@ -250,6 +293,7 @@ class SpecPrefillSequence:
             raise ValueError("SpecPrefill needs a model whose every layer has a plain KV cache")
         self._cache: list[Any] = [PositionedKVCache() for _ in layers]
         self._fed = 0  # kept tokens in the target's cache
+        self._positioned = install_positioned_rope(model)
         self._decoder: ActiveSequence | None = None
         self.cached_tokens = 0
         self.finished = False
@@ -346,6 +390,8 @@ class SpecPrefillSequence:
         self._counters.kept_tokens += len(kept)
 
     def _prefill_chunk(self, limit: int) -> int:
+        if self._positioned:
+            return self._prefill_positioned(limit)
         start, end = self._runs[0]
         end = min(end, start + limit)
         for layer in self._cache:
@@ -359,6 +405,26 @@ class SpecPrefillSequence:
             self._runs.pop(0)
         else:
             self._runs[0] = (end, self._runs[0][1])
+        return n
+
+    def _prefill_positioned(self, limit: int) -> int:
+        """Up to `limit` kept tokens (not the prompt's last) in one pass, each at its position."""
+        assert self._kept is not None
+        todo = len(self._kept) - 1 - self._fed
+        n = min(limit, todo)
+        positions = self._kept[self._fed : self._fed + n]
+        for layer in self._cache:
+            layer.shift = 0
+        _positions.value = mx.array(positions, dtype=mx.int32)
+        try:
+            self._model(self._prompt[mx.array(positions, dtype=mx.uint32)][None], cache=self._cache)
+            mx.eval([c.state for c in self._cache])
+        finally:
+            _positions.value = None
+        mx.clear_cache()
+        self._fed += n
+        if self._fed == len(self._kept) - 1:
+            self._runs = []
         return n
 
     def _start_decoding(self) -> None:

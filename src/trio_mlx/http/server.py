@@ -195,6 +195,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_num_seqs": getattr(args, "max_num_seqs", None),
         "prefill_chunk_seconds": getattr(args, "prefill_chunk_seconds", 0.25),
         "compiled_decode": getattr(args, "compiled_decode", None),
+        "fused_projections": getattr(args, "fused_projections", None),
     }
     engine_options["force_mllm"] = bool(getattr(args, "mllm", False))
     engine_options["media"] = media_policy_from_args(args)
