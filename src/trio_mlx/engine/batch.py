@@ -53,6 +53,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from trio_mlx.engine import batch_mask
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import (
     GenerationJob,
@@ -615,8 +616,10 @@ class BatchDecoder:
         if not keep:
             self.rows, self._cache, self._inputs = [], [], None
             return
+        aligned = batch_mask.aligned_after_filter(self._cache, len(keep))
         for layer in self._cache:
             layer.filter(keep)
+        batch_mask.adopt(self._cache, aligned)
         self._inputs = self._inputs[mx.array(keep)]
         self.rows = [self.rows[i] for i in keep]
 
@@ -662,6 +665,8 @@ class BatchDecoder:
         for seq in joiners:
             assert seq.cache is not None
             caches.append(seq.cache)
+        lengths = [batch_mask.sequence_length(c) for c in caches]
+        joiners_aligned = batch_mask.aligned_after_merge(lengths)
         merged = [
             caches[0][layer].merge([c[layer] for c in caches]) for layer in range(len(caches[0]))
         ]
@@ -671,9 +676,14 @@ class BatchDecoder:
         self._bias_stale = True
         if not self.rows:
             self._cache, self._inputs = merged, last
+            batch_mask.adopt(self._cache, joiners_aligned)
         else:
+            aligned = batch_mask.aligned_after_extend(
+                self._cache, lengths[0] if joiners_aligned else None
+            )
             for mine, theirs in zip(self._cache, merged, strict=True):
                 mine.extend(theirs)
+            batch_mask.adopt(self._cache, aligned)
             self._inputs = mx.concatenate([self._inputs, last])
         self.rows.extend(joiners)
         return len(joiners)

@@ -1,0 +1,87 @@
+"""The batch's attention mask when no row is padded. Runner thread only.
+
+mlx-lm's `BatchKVCache.make_mask` always builds a boolean array mask (the causal mask and every
+row's left padding), even for a one-token decode step of a batch whose rows all start at the same
+position, where it masks nothing. On MLX's CUDA backend an array mask keeps the fused decode
+attention kernel out (attention then runs as separate matrix products and a softmax), so a lone
+row on the batched route decoded at 0.64-0.74x the serialized route's speed on the H200
+(docs/benchmarks/README.md, "Compiled decode and fused projections").
+
+`AlignedBatchKVCache` is mlx-lm's class with one host-side fact more: `aligned`, True while no
+row has left padding. Then `make_mask(N)` is None for one token (every cached position is
+visible to the row's query) and "causal" for several (the plain causal mask, what a lone row's
+speculative verification needs); otherwise mlx-lm's array mask. The fact is kept by the
+`BatchDecoder` from Python integers it already has, never by reading the padding back from the
+device (which would wait for the step in flight):
+- `aligned_after_merge`: the batch built from caches of equal lengths has no padding;
+- `aligned_after_extend`: joining keeps it only when both sides are aligned at the same length;
+- `aligned_after_filter`: a lone row is aligned (`filter` shifts the smallest padding away); the
+  rows kept from an aligned batch stay aligned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+class AlignedBatchKVCache(BatchKVCache):
+    """`BatchKVCache` that knows, on the host, whether any row is left-padded (module doc)."""
+
+    aligned = False
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        if self.aligned and not return_array and kwargs.get("window_size") is None:
+            return None if N == 1 else "causal"
+        return super().make_mask(N, return_array=return_array, **kwargs)
+
+
+def adopt(layers: list[Any], aligned: bool) -> None:
+    """Make each plain `BatchKVCache` of a batch's layers an `AlignedBatchKVCache` (same state,
+    a subclass with no state of its own) and set its `aligned`; other caches are left alone."""
+    for layer in layers:
+        if type(layer) is BatchKVCache:
+            layer.__class__ = AlignedBatchKVCache
+        if isinstance(layer, AlignedBatchKVCache):
+            layer.aligned = aligned
+
+
+def is_aligned(layers: list[Any]) -> bool:
+    """Whether the batch's caches are known to have no left padding."""
+    return bool(layers) and all(
+        getattr(layer, "aligned", False) for layer in layers if isinstance(layer, BatchKVCache)
+    )
+
+
+def sequence_length(layers: list[Any]) -> int | None:
+    """A sequence's cached positions, from its first plain `KVCache` layer (None: it has none)."""
+    for layer in layers:
+        if type(layer) is KVCache:
+            return int(layer.offset)
+    return None
+
+
+def batch_length(layers: list[Any]) -> int | None:
+    """The batch's cached positions, padding included (None: no plain batch cache layer)."""
+    for layer in layers:
+        if isinstance(layer, BatchKVCache):
+            return int(layer._idx)
+    return None
+
+
+def aligned_after_merge(lengths: list[int | None]) -> bool:
+    """Rows merged from caches of these lengths (mlx-lm pads each to the longest)."""
+    return None not in lengths and len(set(lengths)) <= 1
+
+
+def aligned_after_extend(batch: list[Any], joiners_length: int | None) -> bool:
+    """The batch extended by an aligned group of rows of one length (`joiners_length`; None:
+    the group is padded)."""
+    length = batch_length(batch)
+    return is_aligned(batch) and length is not None and joiners_length == length
+
+
+def aligned_after_filter(batch: list[Any], rows_kept: int) -> bool:
+    """The rows kept by `filter`: one row is always aligned; an aligned batch stays so."""
+    return rows_kept == 1 or is_aligned(batch)
