@@ -10,11 +10,10 @@ from typing import Any
 import mlx.core as mx
 import pytest
 import trio
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import trio_mlx
-from trio_mlx.engine import batch_mask
-from trio_mlx.engine.batch_mask import AlignedBatchKVCache
+from trio_mlx.engine import batch_mask, padded_attention
 
 GREEDY = {"max_tokens": 12, "temperature": 0.0}
 SHORT = "Hello there"
@@ -26,7 +25,7 @@ class MaskLog:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.kinds: list[str] = []
-        original = AlignedBatchKVCache.make_mask
+        original = batch_mask.aligned_make_mask
 
         def logged(cache: Any, N: int, *args: Any, **kwargs: Any) -> Any:
             mask = original(cache, N, *args, **kwargs)
@@ -34,7 +33,7 @@ class MaskLog:
                 self.kinds.append("none" if mask is None else "array")
             return mask
 
-        monkeypatch.setattr(AlignedBatchKVCache, "make_mask", logged)
+        monkeypatch.setattr(batch_mask, "aligned_make_mask", logged)
 
 
 def filled(n: int) -> KVCache:
@@ -48,6 +47,8 @@ def test_alignment_follows_merge_extend_and_filter() -> None:
     batch = [KVCache.merge(equal)]
     batch_mask.adopt(batch, batch_mask.aligned_after_merge([5, 5]))
     assert batch_mask.is_aligned(batch)
+    assert type(batch[0]) is BatchKVCache  # still mlx-lm's class: padded verification takes it
+    assert padded_attention._views(batch, 3) is not None
     assert batch[0].make_mask(1) is None and batch[0].make_mask(3) == "causal"
     # A row of another length joins: padded, mlx-lm's array mask again.
     assert not batch_mask.aligned_after_extend(batch, 7)

@@ -7,8 +7,8 @@ attention kernel out (attention then runs as separate matrix products and a soft
 row on the batched route decoded at 0.64-0.74x the serialized route's speed on the H200
 (docs/benchmarks/README.md, "Compiled decode and fused projections").
 
-`AlignedBatchKVCache` is mlx-lm's class with one host-side fact more: `aligned`, True while no
-row has left padding. Then `make_mask(N)` is None for one token (every cached position is
+`adopt` gives each layer's `BatchKVCache` one host-side fact more: `aligned`, True while no
+row has left padding. Then its `make_mask(N)` is None for one token (every cached position is
 visible to the row's query) and "causal" for several (the plain causal mask, what a lone row's
 speculative verification needs); otherwise mlx-lm's array mask. The fact is kept by the
 `BatchDecoder` from Python integers it already has, never by reading the padding back from the
@@ -21,36 +21,34 @@ device (which would wait for the step in flight):
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
-class AlignedBatchKVCache(BatchKVCache):
-    """`BatchKVCache` that knows, on the host, whether any row is left-padded (module doc)."""
-
-    aligned = False
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
-        if self.aligned and not return_array and kwargs.get("window_size") is None:
-            return None if N == 1 else "causal"
-        return super().make_mask(N, return_array=return_array, **kwargs)
+def aligned_make_mask(cache: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+    """`BatchKVCache.make_mask` for a cache that knows whether it is `aligned` (module doc)."""
+    if getattr(cache, "aligned", False) and not return_array and kwargs.get("window_size") is None:
+        return None if N == 1 else "causal"
+    return BatchKVCache.make_mask(cache, N, return_array=return_array, **kwargs)
 
 
 def adopt(layers: list[Any], aligned: bool) -> None:
-    """Make each plain `BatchKVCache` of a batch's layers an `AlignedBatchKVCache` (same state,
-    a subclass with no state of its own) and set its `aligned`; other caches are left alone."""
+    """Give each plain `BatchKVCache` of a batch's layers the host-side fact `aligned` and the
+    mask that reads it (an instance attribute: the object stays mlx-lm's class, which other code
+    checks with `type(...) is BatchKVCache`); other caches are left alone."""
     for layer in layers:
         if type(layer) is BatchKVCache:
-            layer.__class__ = AlignedBatchKVCache
-        if isinstance(layer, AlignedBatchKVCache):
-            layer.aligned = aligned
+            setattr(layer, "aligned", aligned)  # noqa: B010 (mlx-lm's class declares no such field)
+            if "make_mask" not in vars(layer):
+                setattr(layer, "make_mask", types.MethodType(aligned_make_mask, layer))  # noqa: B010
 
 
 def is_aligned(layers: list[Any]) -> bool:
     """Whether the batch's caches are known to have no left padding."""
     return bool(layers) and all(
-        getattr(layer, "aligned", False) for layer in layers if isinstance(layer, BatchKVCache)
+        getattr(layer, "aligned", False) for layer in layers if type(layer) is BatchKVCache
     )
 
 
