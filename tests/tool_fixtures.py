@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 
@@ -124,6 +125,22 @@ def check_calls(
     for name, arguments in calls:
         assert name in allowed
         jsonschema.validate(json.loads(arguments), parameters[name])
+
+
+async def leave_mid_arguments(
+    http: httpx.AsyncClient, body: dict[str, Any], pieces: int = 3
+) -> None:
+    """Stream the chat completion `body` and go away (close the response) once `pieces` chunks
+    carrying a call's arguments have come: the call has started and its arguments are
+    streaming. Fails if the stream ends before that."""
+    seen = 0
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"arguments":"' in line:
+                seen += 1
+                if seen == pieces:
+                    break
+    assert seen == pieces, f"the stream ended after {seen} argument chunks"
 
 
 class Scripted:

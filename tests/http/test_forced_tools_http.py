@@ -15,7 +15,14 @@ import trio
 from idle import wait_until_idle
 from servers import running_server
 from sse import chunks, named_events
-from tool_fixtures import ASK, FORCED_TOOLS, check_calls, parameters_by_name, responses_tool
+from tool_fixtures import (
+    ASK,
+    FORCED_TOOLS,
+    check_calls,
+    leave_mid_arguments,
+    parameters_by_name,
+    responses_tool,
+)
 from trio_mlx.http.server import RunningServer
 
 TOOLS = FORCED_TOOLS
@@ -211,13 +218,7 @@ async def test_a_client_gone_mid_forced_call_frees_the_engine(server: RunningSer
         "max_tokens": 600,
     }
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        async with http.stream("POST", CHAT, json=body) as response:
-            pieces = 0
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"arguments":"' in line:
-                    pieces += 1
-                    if pieces == 3:  # the call has started and its arguments are streaming
-                        break
+        await leave_mid_arguments(http, body)
         stats = await wait_until_idle(engine)
         assert stats["runner"]["aborted"] == before["aborted"] + 1
         assert stats["runner"]["generated_tokens"] - before["generated_tokens"] < 300

@@ -27,6 +27,7 @@ from tool_fixtures import (
     TIME_CALL,
     TOOLS,
     Scripted,
+    leave_mid_arguments,
     responses_tool,
     scripted_server,
 )
@@ -273,13 +274,7 @@ async def test_client_gone_in_the_middle_of_a_call_frees_the_engine(scripted: Sc
     before = engine.get_stats()["runner"]
     body = {"messages": ASK, "tools": TOOLS, "stream": True, "max_tokens": 600}
     async with httpx.AsyncClient(base_url=scripted.server.url, timeout=30) as http:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            pieces = 0
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"arguments":"' in line:
-                    pieces += 1
-                    if pieces == 3:  # the call has started and its arguments are streaming
-                        break
+        await leave_mid_arguments(http, body)
         stats = await wait_until_idle(engine)
         assert stats["runner"]["aborted"] == before["aborted"] + 1
         assert stats["runner"]["generated_tokens"] - before["generated_tokens"] < 400
