@@ -7,6 +7,7 @@ batching companions, seeds, logprobs, stop strings, the prefix cache and aborts.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +42,64 @@ USER = [{"role": "user", "content": "Describe a person."}]
 ROUTES = pytest.mark.parametrize("max_num_seqs", [1, 4], ids=["serialized", "batched"])
 
 
+#: A request to run: (prompt, `Engine.generate` options).
+Job = tuple[str, dict[str, Any]]
+
+
 def assert_valid(text: str, schema: dict[str, Any] = PERSON) -> Any:
     value = json.loads(text)
     jsonschema.validate(value, schema)
     return value
 
 
+@pytest.fixture
+async def routed_engine(tiny_model_dir: Path, max_num_seqs: int) -> AsyncIterator[trio_mlx.Engine]:
+    """An engine on the tiny model on the route the test's `ROUTES` parameter names."""
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=max_num_seqs) as engine:
+        yield engine
+
+
+async def each_alone(model_dir: Path, jobs: list[Job]) -> list[trio_mlx.GenerationOutput]:
+    """Each job run by itself, one after the other, on the serialized route."""
+    async with trio_mlx.open_engine(model_dir, max_num_seqs=1) as engine:
+        return [await engine.generate(prompt, **options) for prompt, options in jobs]
+
+
+async def decode_together(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, jobs: list[Job]
+) -> tuple[list[trio_mlx.GenerationOutput], dict[str, Any]]:
+    """The jobs sent at once to a batched engine whose runner takes them all at one step
+    boundary and (chunks cut by the plan alone, not by a pace measured on a busy machine)
+    prefills them in one step, so that they decode together. Their outputs in job order, and
+    the runner's stats once the engine is idle again."""
+    hold = hold_the_runner_intake(monkeypatch)
+    async with trio_mlx.open_engine(
+        model_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
+    ) as engine:
+        got: dict[int, trio_mlx.GenerationOutput] = {}
+
+        async def run(i: int) -> None:
+            prompt, options = jobs[i]
+            got[i] = await engine.generate(prompt, **options)
+
+        async with trio.open_nursery() as nursery:
+            hold.close()
+            for i in range(len(jobs)):
+                nursery.start_soon(run, i)
+            await eventually(
+                lambda: engine.get_stats()["runner"]["requests_in_flight"] == len(jobs)
+            )
+            hold.open()
+        await assert_idle(engine)
+        return [got[i] for i in range(len(jobs))], engine.get_stats()["runner"]
+
+
 @ROUTES
 async def test_greedy_output_follows_the_schema_and_ends_with_it(
-    tiny_model_dir: Path, max_num_seqs: int
+    routed_engine: trio_mlx.Engine,
 ) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=max_num_seqs) as engine:
-        out = await engine.chat(USER, max_tokens=200, temperature=0, output_format=FORMAT)
-        plain = await engine.chat(USER, max_tokens=20, temperature=0)
+    out = await routed_engine.chat(USER, max_tokens=200, temperature=0, output_format=FORMAT)
+    plain = await routed_engine.chat(USER, max_tokens=20, temperature=0)
     assert_valid(out.text)
     assert out.finish_reason == "stop"  # the closing brace ends it: no EOS needed
     assert out.completion_tokens == len(out.tokens)
@@ -74,70 +120,30 @@ async def test_a_constrained_request_beside_unconstrained_ones_changes_none_of_t
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sampling = {"max_tokens": 16, "temperature": 0.0}
-    expected = await alone(tiny_model_dir, PROMPTS[:3], **sampling)
     seeded = {"max_tokens": 200, "temperature": 0.8, "seed": 5, "output_format": FORMAT}
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
-        reference = await engine.generate(PROMPTS[3], **seeded)
-    hold = hold_the_runner_intake(monkeypatch)
-    # The runner takes all four at one step boundary and (chunks cut by the plan alone, not by
-    # a pace measured on a busy machine) prefills them in one step: they decode together.
-    async with trio_mlx.open_engine(
-        tiny_model_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
-    ) as engine:
-        results: dict[int, Any] = {}
-
-        async def run(i: int, options: dict[str, Any]) -> None:
-            results[i] = await engine.generate(PROMPTS[i], **options)
-
-        async with trio.open_nursery() as nursery:
-            hold.close()
-            for i in range(3):
-                nursery.start_soon(run, i, sampling)
-            nursery.start_soon(run, 3, seeded)
-            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 4)
-            hold.open()
-        assert [results[i].tokens for i in range(3)] == expected
-        assert results[3].tokens == reference.tokens
-        assert_valid(results[3].text)
-        stats = engine.get_stats()["runner"]
-        assert max(int(size) for size in stats["batch_sizes"]) >= 2
-        await assert_idle(engine)
+    jobs: list[Job] = [*((prompt, sampling) for prompt in PROMPTS[:3]), (PROMPTS[3], seeded)]
+    expected = await alone(tiny_model_dir, PROMPTS[:3], **sampling)
+    (reference,) = await each_alone(tiny_model_dir, jobs[3:])
+    results, stats = await decode_together(tiny_model_dir, monkeypatch, jobs)
+    assert [results[i].tokens for i in range(3)] == expected
+    assert results[3].tokens == reference.tokens
+    assert_valid(results[3].text)
+    assert max(int(size) for size in stats["batch_sizes"]) >= 2
 
 
 async def test_two_constrained_requests_in_one_batch_each_equal_itself_alone(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     other = OutputFormat.regex(r"(yes|no)( indeed)?")
-    jobs = [(PROMPTS[0], FORMAT, 0.0), (PROMPTS[1], other, 1.0), (PROMPTS[2], FORMAT, 1.0)]
-    expected = []
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
-        for prompt, fmt, temperature in jobs:
-            out = await engine.generate(
-                prompt, max_tokens=200, temperature=temperature, seed=3, output_format=fmt
-            )
-            expected.append(out.tokens)
-    hold = hold_the_runner_intake(monkeypatch)
-    # Taken at one step boundary, prefilled in one step (chunks cut by the plan alone): the
-    # three decode together.
-    async with trio_mlx.open_engine(
-        tiny_model_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
-    ) as engine:
-        got: dict[int, Any] = {}
-
-        async def run(i: int) -> None:
-            prompt, fmt, temperature = jobs[i]
-            got[i] = await engine.generate(
-                prompt, max_tokens=200, temperature=temperature, seed=3, output_format=fmt
-            )
-
-        async with trio.open_nursery() as nursery:
-            hold.close()
-            for i in range(3):
-                nursery.start_soon(run, i)
-            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 3)
-            hold.open()
-        sizes = engine.get_stats()["runner"]["batch_sizes"]
-    assert max(int(size) for size in sizes) == 3
+    options = {"max_tokens": 200, "seed": 3}
+    jobs: list[Job] = [
+        (PROMPTS[0], {**options, "temperature": 0.0, "output_format": FORMAT}),
+        (PROMPTS[1], {**options, "temperature": 1.0, "output_format": other}),
+        (PROMPTS[2], {**options, "temperature": 1.0, "output_format": FORMAT}),
+    ]
+    expected = [out.tokens for out in await each_alone(tiny_model_dir, jobs)]
+    got, stats = await decode_together(tiny_model_dir, monkeypatch, jobs)
+    assert max(int(size) for size in stats["batch_sizes"]) == 3
     assert [got[i].tokens for i in range(3)] == expected
     assert got[1].text in ("yes", "no", "yes indeed", "no indeed")
 
@@ -146,34 +152,17 @@ async def test_greedy_constrained_rows_chosen_together_equal_each_alone(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     other = OutputFormat.json_schema({"type": "array", "items": {"type": "integer"}, "maxItems": 4})
-    jobs: list[dict[str, Any]] = [
+    options: list[dict[str, Any]] = [
         {"output_format": FORMAT, "logprobs": True, "top_logprobs": 3},
         {"output_format": other},
         {"output_format": FORMAT},
         {},  # a plain row beside them
     ]
     base = {"max_tokens": 120, "temperature": 0.0}
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
-        expected = [await engine.generate(PROMPTS[i], **base, **jobs[i]) for i in range(4)]
-    hold = hold_the_runner_intake(monkeypatch)
-    # Taken at one step boundary, prefilled in one step (chunks cut by the plan alone): the
-    # four decode together.
-    async with trio_mlx.open_engine(
-        tiny_model_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
-    ) as engine:
-        got: dict[int, Any] = {}
-
-        async def run(i: int) -> None:
-            got[i] = await engine.generate(PROMPTS[i], **base, **jobs[i])
-
-        async with trio.open_nursery() as nursery:
-            hold.close()
-            for i in range(4):
-                nursery.start_soon(run, i)
-            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 4)
-            hold.open()
-        sizes = engine.get_stats()["runner"]["batch_sizes"]
-    assert max(int(size) for size in sizes) == 4
+    jobs: list[Job] = [(PROMPTS[i], {**base, **options[i]}) for i in range(4)]
+    expected = await each_alone(tiny_model_dir, jobs)
+    got, stats = await decode_together(tiny_model_dir, monkeypatch, jobs)
+    assert max(int(size) for size in stats["batch_sizes"]) == 4
     for i in range(4):
         assert got[i].tokens == expected[i].tokens
     assert got[0].logprobs is not None and expected[0].logprobs is not None
@@ -184,12 +173,11 @@ async def test_greedy_constrained_rows_chosen_together_equal_each_alone(
 
 @ROUTES
 async def test_logprobs_are_the_models_own_before_the_mask(
-    tiny_model_dir: Path, max_num_seqs: int
+    routed_engine: trio_mlx.Engine,
 ) -> None:
     options: dict[str, Any] = {"temperature": 0, "logprobs": True, "top_logprobs": 5}
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=max_num_seqs) as engine:
-        free = await engine.chat(USER, max_tokens=1, **options)
-        constrained = await engine.chat(USER, max_tokens=200, output_format=FORMAT, **options)
+    free = await routed_engine.chat(USER, max_tokens=1, **options)
+    constrained = await routed_engine.chat(USER, max_tokens=200, output_format=FORMAT, **options)
     assert free.logprobs is not None and constrained.logprobs is not None
     first_free, first = free.logprobs[0], constrained.logprobs[0]
     # same prompt, same raw logits: the same alternatives with the same values, although the
@@ -204,26 +192,20 @@ async def test_logprobs_are_the_models_own_before_the_mask(
 
 
 @ROUTES
-async def test_a_stop_string_cuts_constrained_output(
-    tiny_model_dir: Path, max_num_seqs: int
-) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=max_num_seqs) as engine:
-        full = await engine.chat(USER, max_tokens=200, temperature=0, output_format=FORMAT)
-        stopped = await engine.chat(
-            USER, max_tokens=200, temperature=0, output_format=FORMAT, stop='"age"'
-        )
+async def test_a_stop_string_cuts_constrained_output(routed_engine: trio_mlx.Engine) -> None:
+    full = await routed_engine.chat(USER, max_tokens=200, temperature=0, output_format=FORMAT)
+    stopped = await routed_engine.chat(
+        USER, max_tokens=200, temperature=0, output_format=FORMAT, stop='"age"'
+    )
     assert stopped.finish_reason == "stop"
     assert full.text.startswith(stopped.text) and '"age"' not in stopped.text
     assert len(stopped.text) < len(full.text)
 
 
 @ROUTES
-async def test_max_tokens_cuts_constrained_output_at_length(
-    tiny_model_dir: Path, max_num_seqs: int
-) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=max_num_seqs) as engine:
-        full = await engine.chat(USER, max_tokens=200, temperature=0, output_format=FORMAT)
-        cut = await engine.chat(USER, max_tokens=4, temperature=0, output_format=FORMAT)
+async def test_max_tokens_cuts_constrained_output_at_length(routed_engine: trio_mlx.Engine) -> None:
+    full = await routed_engine.chat(USER, max_tokens=200, temperature=0, output_format=FORMAT)
+    cut = await routed_engine.chat(USER, max_tokens=4, temperature=0, output_format=FORMAT)
     assert cut.finish_reason == "length" and cut.tokens == full.tokens[:4]
 
 
@@ -240,32 +222,32 @@ async def test_a_cached_prefix_gives_the_same_constrained_output(tiny_model_dir:
 
 @ROUTES
 async def test_an_abort_mid_constrained_stream_frees_everything(
-    tiny_model_dir: Path, max_num_seqs: int
+    tiny_model_dir: Path, max_num_seqs: int, routed_engine: trio_mlx.Engine
 ) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=max_num_seqs) as engine:
-        companion: dict[str, Any] = {}
+    engine = routed_engine
+    companion: dict[str, Any] = {}
 
-        async def other() -> None:
-            companion["out"] = await engine.generate(PROMPTS[0], max_tokens=24, temperature=0)
+    async def other() -> None:
+        companion["out"] = await engine.generate(PROMPTS[0], max_tokens=24, temperature=0)
 
-        got: list[int] = []
-        async with trio.open_nursery() as nursery:
-            if max_num_seqs > 1:
-                nursery.start_soon(other)
-            request = engine.prepare_chat(
-                USER, max_tokens=500, temperature=1.0, seed=4, output_format=ENDLESS
-            )
-            async with engine.open_stream(request) as stream:
-                async for part in stream:
-                    got.extend(part.new_tokens)
-                    if len(got) >= 5:
-                        break  # the client goes away
-        await assert_idle(engine)
-        assert engine.get_stats()["runner"]["aborted"] >= 1
-        assert engine.tokenizer.decode(got).startswith('"')
-        # the engine serves the next constrained request as usual
-        out = await engine.chat(USER, max_tokens=200, temperature=0, output_format=FORMAT)
-        assert_valid(out.text)
+    got: list[int] = []
+    async with trio.open_nursery() as nursery:
+        if max_num_seqs > 1:
+            nursery.start_soon(other)
+        request = engine.prepare_chat(
+            USER, max_tokens=500, temperature=1.0, seed=4, output_format=ENDLESS
+        )
+        async with engine.open_stream(request) as stream:
+            async for part in stream:
+                got.extend(part.new_tokens)
+                if len(got) >= 5:
+                    break  # the client goes away
+    await assert_idle(engine)
+    assert engine.get_stats()["runner"]["aborted"] >= 1
+    assert engine.tokenizer.decode(got).startswith('"')
+    # the engine serves the next constrained request as usual
+    out = await engine.chat(USER, max_tokens=200, temperature=0, output_format=FORMAT)
+    assert_valid(out.text)
     if max_num_seqs > 1:
         (expected,) = await alone(tiny_model_dir, PROMPTS[:1], max_tokens=24, temperature=0)
         assert companion["out"].tokens == expected
@@ -286,29 +268,27 @@ async def test_a_cancelled_caller_mid_constrained_generate_frees_the_batch(
         await assert_idle(engine)
 
 
-async def test_an_uncompilable_schema_is_refused_before_admission(tiny_model_dir: Path) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir) as engine:
-        bad = OutputFormat.json_schema({"type": "nonsense"}, param="response_format")
-        with pytest.raises(InvalidRequest) as caught:
-            await engine.prepare_chat_async(USER, output_format=bad)
-        assert caught.value.param == "response_format"
-        with pytest.raises(InvalidRequest) as caught:
-            await engine.prepare_chat_async(USER, output_format={"type": "object"})  # type: ignore[typeddict-item]
-        assert caught.value.param == "output_format"
-        assert engine.get_stats()["runner"]["started"] == 0
+async def test_an_uncompilable_schema_is_refused_before_admission(engine: trio_mlx.Engine) -> None:
+    bad = OutputFormat.json_schema({"type": "nonsense"}, param="response_format")
+    with pytest.raises(InvalidRequest) as caught:
+        await engine.prepare_chat_async(USER, output_format=bad)
+    assert caught.value.param == "response_format"
+    with pytest.raises(InvalidRequest) as caught:
+        await engine.prepare_chat_async(USER, output_format={"type": "object"})  # type: ignore[typeddict-item]
+    assert caught.value.param == "output_format"
+    assert engine.get_stats()["runner"]["started"] == 0
 
 
-async def test_a_complete_grammar_that_may_go_on_allows_the_eos(tiny_model_dir: Path) -> None:
+async def test_a_complete_grammar_that_may_go_on_allows_the_eos(engine: trio_mlx.Engine) -> None:
     # after one digit the grammar is complete; a large bias on EOS makes the model take it
-    async with trio_mlx.open_engine(tiny_model_dir) as engine:
-        eos = sorted(engine.tokenizer.eos_token_ids)[0]
-        out = await engine.generate(
-            "n =",
-            max_tokens=50,
-            temperature=0,
-            logit_bias={eos: 100.0},
-            output_format=OutputFormat.regex("[0-9]{1,20}"),
-        )
+    eos = sorted(engine.tokenizer.eos_token_ids)[0]
+    out = await engine.generate(
+        "n =",
+        max_tokens=50,
+        temperature=0,
+        logit_bias={eos: 100.0},
+        output_format=OutputFormat.regex("[0-9]{1,20}"),
+    )
     assert out.finish_reason == "stop" and out.text.isdigit() and len(out.tokens) == 1
 
 

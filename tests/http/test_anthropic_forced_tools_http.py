@@ -11,33 +11,21 @@ from typing import Any
 import anthropic
 import jsonschema
 
+from tool_fixtures import ASK, FORCED_WEATHER, anthropic_tool, function_tool, parameters_by_name
 from trio_mlx.http.server import RunningServer
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "The current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 12},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-        "additionalProperties": False,
-    },
-}
-TIME = {
-    "name": "get_time",
-    "input_schema": {
+#: The forced tests' weather tool, and a time tool of a zone only, in the Messages shape.
+TIME = function_tool(
+    "get_time",
+    {
         "type": "object",
         "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
         "required": ["zone"],
         "additionalProperties": False,
     },
-}
-TOOLS: Any = [WEATHER, TIME]
-SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
-ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+)
+TOOLS: Any = [anthropic_tool(FORCED_WEATHER), anthropic_tool(TIME)]
+SCHEMAS = parameters_by_name([FORCED_WEATHER, TIME])
 CHOICES: list[tuple[Any, set[str]]] = [
     ({"type": "any"}, {"get_weather", "get_time"}),
     ({"type": "tool", "name": "get_time"}, {"get_time"}),

@@ -6,10 +6,9 @@ Hermes `<tool_call>` format, as on the OpenAI routes."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -19,68 +18,13 @@ import pytest
 import trio
 
 from idle import wait_until_idle
-from model_wrappers import ScriptedReplies, wrapping_loader
 from servers import running_server
-from trio_mlx.engine.loading import LoadedModel, load_model
-from trio_mlx.http.server import RunningServer
+from tool_fixtures import ASK, CALL, TIME_CALL, Scripted, anthropic_tool, scripted_server
+from tool_fixtures import TOOLS as CHAT_TOOLS
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "The current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
-TIME = {"name": "get_time", "input_schema": {"type": "object"}}
-TOOLS: Any = [WEATHER, TIME]
-ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+TOOLS: Any = [anthropic_tool(t) for t in CHAT_TOOLS]
+WEATHER = TOOLS[0]
 TOOL_PROMPT = "You can call functions to answer."
-
-
-class Scripted:
-    """A server whose model writes the scripts it is given, one per request."""
-
-    def __init__(self, server: RunningServer, model: ScriptedReplies) -> None:
-        self.server = server
-        self.model = model
-        engine = server.state.engine
-        assert engine is not None
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-
-    def will_reply(self, *texts: str) -> None:
-        eos = self.tokenizer.eos_token_id
-        self.model.replies = [
-            [*self.tokenizer.encode(text, add_special_tokens=False), eos] for text in texts
-        ]
-
-    def prompt(self, n: int = -1) -> str:
-        return str(self.tokenizer.decode(self.model.prompts[n]))
-
-    def client(self) -> anthropic.AsyncAnthropic:
-        return anthropic.AsyncAnthropic(
-            base_url=self.server.url, api_key="unused", max_retries=0, timeout=30
-        )
-
-
-@asynccontextmanager
-async def scripted_server(model_dir: Path) -> AsyncIterator[Scripted]:
-    loader, made = wrapping_loader(ScriptedReplies)
-    async with running_server(
-        model_dir,
-        loader=loader,
-        served_model_names=("tiny",),
-        max_num_seqs=1,
-        fused_tail_tokens=1,
-        cache_memory_bytes=0,
-        prefill_chunk_seconds=30.0,
-    ) as server:
-        made[0].armed = True  # the load-time probes are over
-        yield Scripted(server, made[0])
 
 
 @pytest.fixture
@@ -101,7 +45,7 @@ def without_ids(message: anthropic.types.Message) -> dict[str, Any]:
 
 async def test_a_full_tool_loop_use_result_answer(scripted: Scripted) -> None:
     scripted.will_reply("Let me check.\n" + CALL, "It is sunny in Paris.")
-    async with scripted.client() as claude:
+    async with scripted.anthropic_client() as claude:
         first = await claude.messages.create(model="tiny", max_tokens=64, messages=ASK, tools=TOOLS)
         assert first.stop_reason == "tool_use"
         assert [block.type for block in first.content] == ["text", "tool_use"]
@@ -157,7 +101,7 @@ async def test_a_failed_tool_result_says_so_and_text_after_results_is_kept(
         },
     ]
     history[2]["content"][0]["is_error"] = True
-    async with scripted.client() as claude:
+    async with scripted.anthropic_client() as claude:
         reply = await claude.messages.create(
             model="tiny", max_tokens=16, messages=history, tools=TOOLS
         )
@@ -174,7 +118,7 @@ async def test_a_stream_sends_tool_use_blocks_and_equals_the_whole_answer(
     script = "Checking both.\n" + CALL + "\n" + TIME_CALL
     scripted.will_reply(script, script)
     ask: Any = {"model": "tiny", "max_tokens": 96, "messages": ASK, "tools": TOOLS}
-    async with scripted.client() as claude:
+    async with scripted.anthropic_client() as claude:
         whole = await claude.messages.create(**ask)
         partial: dict[int, str] = {}
         async with claude.messages.stream(**ask) as stream:
@@ -236,7 +180,7 @@ async def test_tool_choice_any_and_tool_ask_for_a_call_and_none_offers_nothing(
         CALL,
         CALL,
     )
-    async with scripted.client() as claude:
+    async with scripted.anthropic_client() as claude:
         ask: Any = {"model": "tiny", "max_tokens": 64, "messages": ASK, "tools": TOOLS}
         anyone = await claude.messages.create(**ask, tool_choice={"type": "any"})
         assert "You must answer with a call of one of the functions." in scripted.prompt()
@@ -262,7 +206,7 @@ async def test_disable_parallel_tool_use_keeps_one_call(scripted: Scripted) -> N
     both = CALL + "\n" + TIME_CALL
     scripted.will_reply(both, both, both)
     ask: Any = {"model": "tiny", "max_tokens": 96, "messages": ASK, "tools": TOOLS}
-    async with scripted.client() as claude:
+    async with scripted.anthropic_client() as claude:
         parallel = await claude.messages.create(**ask)
         single = await claude.messages.create(
             **ask, tool_choice={"type": "auto", "disable_parallel_tool_use": True}
@@ -286,7 +230,7 @@ async def test_disable_parallel_tool_use_keeps_one_call(scripted: Scripted) -> N
 
 async def test_count_tokens_counts_the_tools_as_the_prompt_has_them(scripted: Scripted) -> None:
     scripted.will_reply("Fine.")
-    async with scripted.client() as claude:
+    async with scripted.anthropic_client() as claude:
         bare = await claude.messages.count_tokens(model="tiny", messages=ASK)
         counted = await claude.messages.count_tokens(model="tiny", messages=ASK, tools=TOOLS)
         made = await claude.messages.create(model="tiny", max_tokens=8, messages=ASK, tools=TOOLS)
@@ -306,7 +250,7 @@ async def test_tool_errors_are_400_invalid_request_naming_the_field(scripted: Sc
         ({"tools": [WEATHER, WEATHER]}, "tools.1.name: "),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0."),
     ]
-    async with scripted.client() as claude:
+    async with scripted.anthropic_client() as claude:
         for change, field in cases:
             for counting in (False, True):
                 args = {**ok, **change}
@@ -328,7 +272,7 @@ async def test_leaving_a_tool_use_stream_aborts_it_and_frees_the_slot(scripted: 
     engine = scripted.engine
     before = engine.get_stats()["runner"]
     ask: Any = {"model": "tiny", "max_tokens": 900, "messages": ASK, "tools": TOOLS}
-    async with scripted.client() as claude:
+    async with scripted.anthropic_client() as claude:
         async with claude.messages.stream(**ask) as stream, aclosing(stream.__aiter__()) as items:
             pieces = 0
             async for item in items:
@@ -396,32 +340,11 @@ async def test_with_batching_a_tool_stream_gone_leaves_the_message_beside_it_who
 async def test_a_thinking_model_s_call_comes_after_its_thinking_block(
     tiny_model_dir: Path,
 ) -> None:
-    made: list[ScriptedReplies] = []
-
-    def loader(spec: str | Path | None) -> LoadedModel:
-        loaded = load_model(spec)
-        tokenizer = loaded.tokenizer
-        tokenizer._think_start, tokenizer._think_end = "<think>", "</think>"
-        tokenizer._think_start_tokens = tuple(tokenizer.encode("<think>", add_special_tokens=False))
-        tokenizer._think_end_tokens = tuple(tokenizer.encode("</think>", add_special_tokens=False))
-        made.append(ScriptedReplies(loaded.model))
-        return dataclasses.replace(loaded, model=made[0])
-
-    async with running_server(
-        tiny_model_dir,
-        loader=loader,
-        served_model_names=("tiny",),
-        max_num_seqs=1,
-        fused_tail_tokens=1,
-        cache_memory_bytes=0,
-        prefill_chunk_seconds=30.0,
-    ) as server:
-        made[0].armed = True
-        scripted = Scripted(server, made[0])
+    async with scripted_server(tiny_model_dir, think_tags=True) as scripted:
         reply = "<think>The user wants the weather.</think>" + CALL
         scripted.will_reply(reply, reply)
         ask: Any = {"model": "tiny", "max_tokens": 64, "messages": ASK, "tools": TOOLS}
-        async with scripted.client() as claude:
+        async with scripted.anthropic_client() as claude:
             whole = await claude.messages.create(**ask)
             async with claude.messages.stream(**ask) as stream:
                 final = await stream.get_final_message()

@@ -4,55 +4,22 @@ small model answer with calls whose arguments are valid against the tools' schem
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import jsonschema
 import openai
 import pytest
 
 from servers import serve_process
+from tool_fixtures import (
+    BUNDLED_ASK,
+    BUNDLED_TOOLS,
+    check_calls,
+    parameters_by_name,
+    responses_tool,
+)
 from trio_mlx.engine.default_model import default_gguf_path
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 40},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The current time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 40}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS: Any = [WEATHER, TIME]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ASK: Any = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-def check(calls: list[tuple[str, str]], allowed: set[str], parallel: bool) -> None:
-    assert calls and (parallel or len(calls) == 1)
-    for name, arguments in calls:
-        assert name in allowed
-        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+PARAMETERS = parameters_by_name(BUNDLED_TOOLS)
 
 
 @pytest.mark.slow
@@ -68,8 +35,8 @@ def test_required_and_named_tool_choice_on_the_bundled_model() -> None:
         for choice, parallel, allowed in cases:
             request: Any = {
                 "model": model,
-                "messages": ASK,
-                "tools": TOOLS,
+                "messages": BUNDLED_ASK,
+                "tools": BUNDLED_TOOLS,
                 "tool_choice": choice,
                 "parallel_tool_calls": parallel,
                 "temperature": 0,
@@ -80,7 +47,7 @@ def test_required_and_named_tool_choice_on_the_bundled_model() -> None:
             assert choice_out.finish_reason == "tool_calls", choice_out.message
             assert choice_out.message.content is None and choice_out.message.tool_calls
             made = [(c.function.name, c.function.arguments) for c in choice_out.message.tool_calls]
-            check(made, allowed, parallel)
+            check_calls(made, allowed, parallel, PARAMETERS)
 
             names: dict[int, str] = {}
             arguments: dict[int, str] = {}
@@ -103,7 +70,7 @@ def test_required_and_named_tool_choice_on_the_bundled_model() -> None:
         response = client.responses.create(
             model=model,
             input="What is the weather like in Paris today?",
-            tools=[{"type": "function", **t["function"]} for t in TOOLS],
+            tools=[responses_tool(t) for t in BUNDLED_TOOLS],
             tool_choice={"type": "function", "name": "get_weather"},
             temperature=0,
             max_output_tokens=200,
@@ -111,4 +78,4 @@ def test_required_and_named_tool_choice_on_the_bundled_model() -> None:
         assert response.status == "completed"
         items = [(o.name, o.arguments) for o in response.output if o.type == "function_call"]
         assert len(items) == len(response.output)
-        check(items, {"get_weather"}, True)
+        check_calls(items, {"get_weather"}, True, PARAMETERS)

@@ -5,52 +5,29 @@ openai client and raw HTTP."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import httpx
-import jsonschema
 import openai
 import trio
 
 from idle import wait_until_idle
 from servers import running_server
 from sse import chunks, named_events
+from tool_fixtures import (
+    ASK,
+    FORCED_TOOLS,
+    check_calls,
+    leave_mid_arguments,
+    parameters_by_name,
+    responses_tool,
+)
 from trio_mlx.http.server import RunningServer
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 12},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}, "hour24": {"type": "boolean"}},
-            "required": ["zone", "hour24"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS: Any = [WEATHER, TIME]
-PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-RESPONSE_TOOLS: Any = [{"type": "function", **t["function"]} for t in TOOLS]
-ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = FORCED_TOOLS
+PARAMETERS = parameters_by_name(TOOLS)
+RESPONSE_TOOLS: Any = [responses_tool(t) for t in TOOLS]
 CHOICES: list[tuple[Any, Any, set[str]]] = [
     # (chat tool_choice, Responses tool_choice, the functions it allows)
     ("required", "required", {"get_weather", "get_time"}),
@@ -61,16 +38,6 @@ CHOICES: list[tuple[Any, Any, set[str]]] = [
     ),
 ]
 CHAT = "/v1/chat/completions"
-
-
-def check_calls(calls: list[tuple[str, str]], allowed: set[str], parallel: bool) -> None:
-    """Calls given as (name, arguments JSON): at least one, one only without `parallel`, each
-    of an allowed function with arguments valid against its parameters."""
-    assert calls
-    assert parallel or len(calls) == 1
-    for name, arguments in calls:
-        assert name in allowed
-        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
 
 
 async def streamed_chat(client: openai.AsyncOpenAI, **request: Any) -> dict[str, Any]:
@@ -112,7 +79,7 @@ async def test_required_and_named_give_schema_valid_calls_whole_and_streamed(
             assert message.content is None  # the call's JSON is never content
             assert message.tool_calls is not None
             made = [(c.function.name, c.function.arguments) for c in message.tool_calls]
-            check_calls(made, allowed, parallel)
+            check_calls(made, allowed, parallel, PARAMETERS)
             assert all(
                 c.id.startswith("call_") and c.type == "function" for c in message.tool_calls
             )
@@ -153,7 +120,7 @@ async def test_forced_calls_on_the_responses_api_whole_and_streamed(
             assert whole.status == "completed"
             assert {item.type for item in whole.output} == {"function_call"}
             made = [(i.name, i.arguments) for i in whole.output if i.type == "function_call"]
-            check_calls(made, allowed, parallel)
+            check_calls(made, allowed, parallel, PARAMETERS)
             assert not whole.output_text
 
             reply = await http.post("/v1/responses", json={**request, "stream": True})
@@ -251,13 +218,7 @@ async def test_a_client_gone_mid_forced_call_frees_the_engine(server: RunningSer
         "max_tokens": 600,
     }
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        async with http.stream("POST", CHAT, json=body) as response:
-            pieces = 0
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"arguments":"' in line:
-                    pieces += 1
-                    if pieces == 3:  # the call has started and its arguments are streaming
-                        break
+        await leave_mid_arguments(http, body)
         stats = await wait_until_idle(engine)
         assert stats["runner"]["aborted"] == before["aborted"] + 1
         assert stats["runner"]["generated_tokens"] - before["generated_tokens"] < 300
@@ -311,7 +272,7 @@ async def test_with_batching_a_forced_request_leaves_plain_ones_as_alone(
     message = together[-1]["choices"][0]["message"]
     assert together[-1]["choices"][0]["finish_reason"] == "tool_calls"
     made = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
-    check_calls(made, {"get_weather", "get_time"}, True)
+    check_calls(made, {"get_weather", "get_time"}, True, PARAMETERS)
     alone_calls = forced_alone["choices"][0]["message"]["tool_calls"]
     assert made == [(c["function"]["name"], c["function"]["arguments"]) for c in alone_calls]
 
@@ -332,7 +293,7 @@ async def test_a_forced_call_takes_precedence_over_response_format(http: httpx.A
     calls = [
         (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]
     ]
-    check_calls(calls, {"get_weather"}, True)
+    check_calls(calls, {"get_weather"}, True, PARAMETERS)
     raw = chunks((await http.post(CHAT, json={**body, "stream": True})).text)
     assert raw[-1]["choices"][0]["finish_reason"] == "tool_calls"
 

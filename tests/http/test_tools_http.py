@@ -5,10 +5,8 @@ these also cover the fallback system prompt and the Hermes `<tool_call>` format.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,76 +17,22 @@ import trio
 from websockets.sync.client import connect
 
 from idle import wait_until_idle
-from model_wrappers import GatedModel, ScriptedReplies, wrapping_loader
+from model_wrappers import GatedModel, wrapping_loader
 from runner_intake import hold_the_runner_intake
 from servers import eventually, running_server
 from sse import chunks, named_events
-from trio_mlx.engine.loading import LoadedModel, load_model
-from trio_mlx.http.server import RunningServer
+from tool_fixtures import (
+    ASK,
+    CALL,
+    TIME_CALL,
+    TOOLS,
+    Scripted,
+    leave_mid_arguments,
+    responses_tool,
+    scripted_server,
+)
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
-TOOLS: Any = [WEATHER, TIME]
-RESPONSE_TOOLS: Any = [
-    {"type": "function", **WEATHER["function"]},
-    {"type": "function", **TIME["function"]},
-]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-TIME_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-
-
-class Scripted:
-    """A server whose model writes the scripts it is given, one per request."""
-
-    def __init__(self, server: RunningServer, model: ScriptedReplies) -> None:
-        self.server = server
-        self.model = model
-        engine = server.state.engine
-        assert engine is not None
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-
-    def will_reply(self, *texts: str) -> None:
-        eos = self.tokenizer.eos_token_id
-        self.model.replies = [
-            [*self.tokenizer.encode(text, add_special_tokens=False), eos] for text in texts
-        ]
-
-    def prompt(self, n: int = -1) -> str:
-        return str(self.tokenizer.decode(self.model.prompts[n]))
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(
-            base_url=self.server.url + "/v1", api_key="unused", max_retries=0, timeout=30
-        )
-
-
-@asynccontextmanager
-async def scripted_server(model_dir: Path) -> AsyncIterator[Scripted]:
-    loader, made = wrapping_loader(ScriptedReplies)
-    async with running_server(
-        model_dir,
-        loader=loader,
-        served_model_names=("tiny",),
-        max_num_seqs=1,
-        fused_tail_tokens=1,
-        cache_memory_bytes=0,
-        prefill_chunk_seconds=30.0,
-    ) as server:
-        made[0].armed = True  # the load-time probes are over
-        yield Scripted(server, made[0])
+RESPONSE_TOOLS: Any = [responses_tool(t) for t in TOOLS]
 
 
 @pytest.fixture
@@ -99,7 +43,7 @@ async def scripted(tiny_model_dir: Path) -> AsyncIterator[Scripted]:
 
 async def test_a_full_tool_loop_call_result_answer(scripted: Scripted) -> None:
     scripted.will_reply("Let me check.\n" + CALL, "It is sunny in Paris.")
-    async with scripted.client() as client:
+    async with scripted.openai_client() as client:
         first = await client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS)
         choice = first.choices[0]
         assert choice.finish_reason == "tool_calls"
@@ -129,7 +73,7 @@ async def test_a_full_tool_loop_call_result_answer(scripted: Scripted) -> None:
 
 async def test_streamed_calls_come_as_tool_call_deltas(scripted: Scripted) -> None:
     scripted.will_reply("Checking both.\n" + CALL + "\n" + TIME_CALL)
-    async with scripted.client() as client:
+    async with scripted.openai_client() as client:
         stream = await client.chat.completions.create(
             model="tiny", messages=ASK, tools=TOOLS, stream=True
         )
@@ -180,7 +124,7 @@ async def test_raw_stream_never_shows_markup_and_arguments_come_in_pieces(
 
 async def test_parallel_tool_calls_false_keeps_only_the_first(scripted: Scripted) -> None:
     scripted.will_reply(CALL + "\n" + TIME_CALL, CALL + "\n" + TIME_CALL)
-    async with scripted.client() as client:
+    async with scripted.openai_client() as client:
         whole = await client.chat.completions.create(
             model="tiny", messages=ASK, tools=TOOLS, parallel_tool_calls=False
         )
@@ -195,7 +139,7 @@ async def test_parallel_tool_calls_false_keeps_only_the_first(scripted: Scripted
 
 async def test_tool_choice_none_offers_nothing_and_parses_nothing(scripted: Scripted) -> None:
     scripted.will_reply(CALL)
-    async with scripted.client() as client:
+    async with scripted.openai_client() as client:
         reply = await client.chat.completions.create(
             model="tiny", messages=ASK, tools=TOOLS, tool_choice="none"
         )
@@ -206,7 +150,7 @@ async def test_tool_choice_none_offers_nothing_and_parses_nothing(scripted: Scri
 
 
 async def test_tool_choice_required_and_named_are_checked_and_stated(scripted: Scripted) -> None:
-    async with scripted.client() as client:
+    async with scripted.openai_client() as client:
         for bad in (
             {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
             {"tool_choice": "required"},
@@ -243,7 +187,7 @@ async def test_tool_choice_required_and_named_are_checked_and_stated(scripted: S
 
 async def test_responses_function_call_loop(scripted: Scripted) -> None:
     scripted.will_reply(CALL, "Sunny.")
-    async with scripted.client() as client:
+    async with scripted.openai_client() as client:
         first = await client.responses.create(
             model="tiny", input="What is the weather in Paris?", tools=RESPONSE_TOOLS
         )
@@ -330,13 +274,7 @@ async def test_client_gone_in_the_middle_of_a_call_frees_the_engine(scripted: Sc
     before = engine.get_stats()["runner"]
     body = {"messages": ASK, "tools": TOOLS, "stream": True, "max_tokens": 600}
     async with httpx.AsyncClient(base_url=scripted.server.url, timeout=30) as http:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            pieces = 0
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"arguments":"' in line:
-                    pieces += 1
-                    if pieces == 3:  # the call has started and its arguments are streaming
-                        break
+        await leave_mid_arguments(http, body)
         stats = await wait_until_idle(engine)
         assert stats["runner"]["aborted"] == before["aborted"] + 1
         assert stats["runner"]["generated_tokens"] - before["generated_tokens"] < 400
@@ -450,30 +388,10 @@ async def test_with_batching_a_tool_stream_gone_leaves_the_other_request_whole(
 
 
 async def test_the_reasoning_split_still_applies_before_a_call(tiny_model_dir: Path) -> None:
-    made: list[ScriptedReplies] = []
-
-    def loader(spec: str | Path | None) -> LoadedModel:
-        loaded = load_model(spec)
-        tokenizer = loaded.tokenizer
-        tokenizer._think_start, tokenizer._think_end = "<think>", "</think>"
-        tokenizer._think_start_tokens = tuple(tokenizer.encode("<think>", add_special_tokens=False))
-        tokenizer._think_end_tokens = tuple(tokenizer.encode("</think>", add_special_tokens=False))
-        made.append(ScriptedReplies(loaded.model))
-        return dataclasses.replace(loaded, model=made[0])
-
-    async with running_server(
-        tiny_model_dir,
-        loader=loader,
-        max_num_seqs=1,
-        fused_tail_tokens=1,
-        cache_memory_bytes=0,
-        prefill_chunk_seconds=30.0,
-    ) as server:
-        made[0].armed = True
-        scripted = Scripted(server, made[0])
+    async with scripted_server(tiny_model_dir, think_tags=True) as scripted:
         reply = "<think>The user wants the weather.</think>" + CALL
         scripted.will_reply(reply, reply)
-        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        async with httpx.AsyncClient(base_url=scripted.server.url, timeout=30) as http:
             body = {"messages": ASK, "tools": TOOLS}
             whole = (await http.post("/v1/chat/completions", json=body)).json()
             streamed = chunks(
