@@ -18,6 +18,9 @@ Protocol:
   Trio side `_deliver` fans a batch out to each request's `TokenSink`; a sink whose consumer has
   gone makes that request abort at the next step boundary.
 
+Start-up (`runner_start`, on the thread, before `started`): the models are loaded, then the fast
+decode step, the prefill plan, the route and the speculator are chosen.
+
 Two routes, chosen once the model is loaded:
 - serialized (`max_num_seqs == 1`, a model whose cache cannot be batched, or a vision-language
   model: its requests with media carry per-request prompt embeddings and positions that the
@@ -68,7 +71,8 @@ import trio
 from trio_mlx.actors.batch_loop import serve_batched
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
-from trio_mlx.actors.model_info import ModelInfo, describe
+from trio_mlx.actors.model_info import ModelInfo
+from trio_mlx.actors.runner_start import ModelLoader, StartOptions, load_models, prepare_serving
 from trio_mlx.actors.runner_threads import RUNNER_THREAD_NAME as RUNNER_THREAD_NAME
 from trio_mlx.actors.runner_threads import (
     runner_stream,
@@ -78,17 +82,14 @@ from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
-from trio_mlx.engine.fast_decode import prepare_fast_decode
 from trio_mlx.engine.loading import LoadedModel, load_model
-from trio_mlx.engine.model_probe import probe_cache
-from trio_mlx.engine.mtp import MtpDrafter
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.engine.specprefill import (
     SpecPrefillCounters,
     SpecPrefillSequence,
     SpecPrefillSettings,
 )
-from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator, check_draft
+from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator
 from trio_mlx.engine.speculative_sequence import SpeculativeSequence
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
@@ -100,8 +101,6 @@ log = logging.getLogger(__name__)
 #: What the serialized route steps: a text sequence, one with a draft, one with media, or a long
 #: prompt's sparse prefill.
 LiveSequence = ActiveSequence | SpeculativeSequence | MultimodalSequence | SpecPrefillSequence
-
-ModelLoader = Callable[[str | Path | None], LoadedModel]
 
 #: Seconds without work after which the runner frees MLX's buffer cache.
 IDLE_TRIM_SECONDS = 30.0
@@ -199,35 +198,38 @@ class Runner:
         specprefill_model: str | Path | None = None,
         specprefill: SpecPrefillSettings | None = None,
     ) -> None:
-        if mtp and draft_model is not None:
-            raise ValueError("mtp and draft_model cannot be combined: one drafter at a time")
-        self._model_spec = model
-        self._draft_spec = draft_model
-        self._num_draft_tokens = mtp_num_draft_tokens if mtp else num_draft_tokens
-        #: native MTP: the model's own multi-token-prediction head drafts (`engine/mtp.py`)
-        self._mtp = mtp
-        #: draft-model speculative decoding (`engine/speculative.py`), when a draft is configured
+        self._options = StartOptions(
+            model=model,
+            loader=loader,
+            max_kv_size=max_kv_size,
+            max_num_seqs=max_num_seqs,
+            prefill_step_size=prefill_step_size,
+            fused_tail_tokens=fused_tail_tokens,
+            prefill_block=prefill_block,
+            prefill_chunk_seconds=prefill_chunk_seconds,
+            compiled_decode=compiled_decode,
+            fused_projections=fused_projections,
+            draft_model=draft_model,
+            mtp=mtp,
+            num_draft_tokens=mtp_num_draft_tokens if mtp else num_draft_tokens,
+            specprefill_model=specprefill_model,
+        )
+        #: speculative decoding (`engine/speculative.py`: a draft model, or the MTP head)
         self.speculator: Speculator | None = None
-        self._scorer_spec = specprefill_model
         self.specprefill = specprefill or SpecPrefillSettings()
         #: the model SpecPrefill scores with (loaded when `specprefill_model` is given)
         self.scorer: Any = None
         self.specprefill_counters = SpecPrefillCounters()
         self.max_num_seqs = max_num_seqs
-        self._chunk_seconds = prefill_chunk_seconds
         self.pacer = PrefillPacer(prefill_step_size, target_seconds=prefill_chunk_seconds)
         #: KV cache bytes per token of one sequence (measured once the model is loaded)
         self.kv_bytes_per_token = 0
         #: whether the batched route serves (max_num_seqs > 1 and a cache that can be merged)
         self.batching = False
-        self._prefill_options = (prefill_step_size, fused_tail_tokens, prefill_block)
         self._prefill_plan = PrefillPlan(prefill_step_size)  # chosen again once a model is loaded
         self._max_kv_size = max_kv_size
-        self._compiled_option = compiled_decode
-        self._fused_option = fused_projections
         #: the model's traced decode step (`fast_decode`), None when off or unsupported
         self.compiled: CompiledDecode | None = None
-        self._loader = loader
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()  # set whenever a command is queued, or to stop
         self._stop = threading.Event()
@@ -397,80 +399,29 @@ class Runner:
             self.compiled = None  # its traces hold the model's arrays
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
+        """Load (`runner_start`), report ready, then serve on the route chosen at start-up."""
         import mlx.core as mx
 
-        loaded = (
-            self._loader(self._model_spec, mtp=True)  # type: ignore[call-arg]
-            if self._mtp
-            else self._loader(self._model_spec)
-        )
-        draft: Any = None
-        if self._mtp:
-            draft = MtpDrafter(loaded.model)
-            check_draft(loaded, loaded, self._max_kv_size)  # the target's cache must trim
-        elif self._draft_spec is not None:
-            draft = self._loader(self._draft_spec)
-            check_draft(loaded, draft, self._max_kv_size)
-        if self._scorer_spec is not None:
-            if self._scorer_spec == self._draft_spec and draft is not None:
-                self.scorer = draft.model
-            else:
-                scorer = self._loader(self._scorer_spec)
-                check_draft(loaded, scorer, self._max_kv_size)
-                self.scorer = scorer.model
+        models = load_models(self._options)
+        self.scorer = models.scorer
         self._loaded.set()
         if self._stop.is_set():  # cancelled while loading: nobody waits for this model
             return
-        if draft is not None and self._compiled_option:
-            log.info("compiled decode off: a draft model verifies several tokens a step")
-        # With a draft, decode steps are the speculator's (several tokens a pass): no traced step.
-        compiled_option = False if draft is not None else self._compiled_option
-        self.compiled = prepare_fast_decode(loaded.model, compiled_option, self._fused_option)
-        if draft is not None and not self._mtp:  # a draft model's steps are launch-bound too
-            prepare_fast_decode(draft.model, False, self._fused_option)
-        info = describe(loaded, self._max_kv_size)
-        step, tail, block = self._prefill_options
-        self._prefill_plan = PrefillPlan.choose(
-            step,
-            tail=tail,
-            block=block,
-            trimmable=info.cache_support is not None and info.cache_support.trimmable,
-        )
-        log.debug("prefill plan: %s", self._prefill_plan)
-        self.pacer = PrefillPacer(
-            self._prefill_plan.step,
-            block=self._prefill_plan.block,
-            target_seconds=self._chunk_seconds,
-        )
-        self.kv_bytes_per_token, mergeable = probe_cache(
-            loaded.model, self._max_kv_size, self.pacer
-        )
-        multimodal = loaded.multimodal is not None
-        self.batching = self.max_num_seqs > 1 and mergeable and not multimodal
-        if draft is not None:
-            self.speculator = Speculator(
-                loaded.model,
-                draft if self._mtp else draft.model,
-                num_draft_tokens=self._num_draft_tokens,
-                catch_up_tokens=self._prefill_plan.step,
-            )
-            log.info(
-                "speculative decoding with %s, %d draft tokens",
-                "the model's MTP head" if self._mtp else draft.name,
-                self._num_draft_tokens,
-            )
-        if self.max_num_seqs > 1 and not mergeable:
-            log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
-        elif self.max_num_seqs > 1 and multimodal:
-            log.info("a vision-language model: serving one sequence at a time")
+        setup = prepare_serving(models, self._options)
+        self.compiled = setup.compiled
+        self._prefill_plan = setup.prefill_plan
+        self.pacer = setup.pacer
+        self.kv_bytes_per_token = setup.kv_bytes_per_token
+        self.batching = setup.batching
+        self.speculator = setup.speculator
         assert self._token is not None
-        self.info = info  # before any job can arrive: jobs come after `started`
-        self._token.run_sync_soon(report_ready, info)
+        self.info = setup.info  # before any job can arrive: jobs come after `started`
+        self._token.run_sync_soon(report_ready, setup.info)
         with mx.stream(runner_stream()):
             if self.batching:
-                serve_batched(self, loaded)
+                serve_batched(self, models.target)
             else:
-                self._serve_serialized(loaded)
+                self._serve_serialized(models.target)
 
     def _emit(
         self,
