@@ -24,7 +24,8 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from trio_mlx.actors.kv_cache import CacheKind
-from trio_mlx.engine.batch import BatchDecoder, BatchSequence
+from trio_mlx.engine.batch import BatchDecoder
+from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.fast_decode import compiled_batch_enabled
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.types import FinishReason
