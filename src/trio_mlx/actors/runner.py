@@ -5,7 +5,7 @@ runs on a thread from `runner_threads` (process-wide, parked between engines, ne
 there why MLX's thread-local state must not be torn down by a thread exit), from `Runner.run`
 until the runner stops.
 
-Protocol:
+Protocol (its messages and counters: `runner_protocol`):
 - Trio -> runner: `submit(job, sink)` and `abort(request_id)`, both synchronous and non-blocking.
   Commands go through a thread-safe queue; the thread reads it between steps without a thread
   hop. While it has no work the thread parks on a `threading.Event`; a stop request (the `run`
@@ -13,7 +13,7 @@ Protocol:
   step.
 - runner -> Trio: after each step, one batch of `SequenceEvent`s with every live request's new
   tokens, finishes and errors, handed over with `TrioToken.run_sync_soon`; readiness and the
-  answer to a `_ClearSnapshots` go the same way. The thread never waits for the event loop (the
+  answer to a `ClearSnapshots` go the same way. The thread never waits for the event loop (the
   prefix-cache book it consults is thread-safe and called directly: `snapshot_keeper`). On the
   Trio side `_deliver` fans a batch out to each request's `TokenSink`; a sink whose consumer has
   gone makes that request abort at the next step boundary.
@@ -48,7 +48,7 @@ Prefix caching (when a `KVCacheManager` is attached and enabled), through the ru
   does not wait for the snapshot of its system prompt), its finishes after them (a request that
   has ended has its entries in the book). A request aborted during prefill, or one that failed,
   stores nothing at its end.
-- `_ClearSnapshots`: drops every snapshot, empties the book, frees MLX's buffer cache.
+- `ClearSnapshots`: drops every snapshot, empties the book, frees MLX's buffer cache.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,15 @@ from trio_mlx.actors.batch_loop import serve_batched
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo
+from trio_mlx.actors.runner_protocol import (
+    AbortJob,
+    Answer,
+    ClearSnapshots,
+    Command,
+    RunnerCounters,
+    SequenceEvent,
+    StartJob,
+)
 from trio_mlx.actors.runner_start import ModelLoader, StartOptions, load_models, prepare_serving
 from trio_mlx.actors.runner_threads import RUNNER_THREAD_NAME as RUNNER_THREAD_NAME
 from trio_mlx.actors.runner_threads import (
@@ -94,7 +102,7 @@ from trio_mlx.engine.speculative_sequence import SpeculativeSequence
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
 from trio_mlx.multimodal.vision import VisionFeatureCache
-from trio_mlx.types import FinishReason, TokenLogprob
+from trio_mlx.types import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -104,75 +112,6 @@ LiveSequence = ActiveSequence | SpeculativeSequence | MultimodalSequence | SpecP
 
 #: Seconds without work after which the runner frees MLX's buffer cache.
 IDLE_TRIM_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class SequenceEvent:
-    """One request's share of a step."""
-
-    request_id: int
-    tokens: tuple[int, ...] = ()
-    finish: FinishReason | None = None
-    error: str | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-    #: Prompt tokens restored from the prefix cache rather than prefilled.
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class _Start:
-    job: GenerationJob
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: int
-    #: Snapshot the sequence if its prefill is complete (not when the engine is closing).
-    store: bool = True
-
-
-class _Answer:
-    """A one-shot answer from the runner thread, resolved on the Trio thread."""
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.value: dict[str, Any] | None = None
-
-    def resolve(self, value: dict[str, Any] | None) -> None:
-        if not self.event.is_set():
-            self.value = value
-            self.event.set()
-
-
-@dataclass(frozen=True)
-class _ClearSnapshots:
-    reply: _Answer
-
-
-_Command = _Start | _Abort | _ClearSnapshots
-
-
-@dataclass
-class RunnerCounters:
-    """Written by the runner thread only; read by anyone (plain ints)."""
-
-    steps: int = 0
-    prefill_chunks: int = 0
-    decode_steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    started: int = 0
-    aborted: int = 0
-    failed: int = 0
-    busy_seconds: float = 0.0
-    live: int = 0
-    #: sequences in the decode batch / prefilling to join it (batched route)
-    decoding: int = 0
-    prefilling: int = 0
-    #: decode steps by batch size (batched route: rows in the step's forward pass)
-    batch_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
-    #: memory of the live sequences' KV caches (batched route; bytes)
-    kv_bytes: int = 0
 
 
 class Runner:
@@ -230,7 +169,7 @@ class Runner:
         self._max_kv_size = max_kv_size
         #: the model's traced decode step (`fast_decode`), None when off or unsupported
         self.compiled: CompiledDecode | None = None
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()  # set whenever a command is queued, or to stop
         self._stop = threading.Event()
         #: Set by the runner thread once its model is loaded (before it checks for a stop).
@@ -242,7 +181,7 @@ class Runner:
         self.crash: BaseException | None = None
         self._snapshots = SnapshotKeeper()
         self.snapshot_counters = self._snapshots.counters
-        self._replies: set[_Answer] = set()
+        self._replies: set[Answer] = set()
         self._serving = False
         #: vision features of recent media (runner thread only; statistics read anywhere)
         self.vision_cache = VisionFeatureCache()
@@ -322,10 +261,10 @@ class Runner:
         between two steps. Returns what was freed, or None when the runner is not serving."""
         if not self._serving or self.crash is not None:
             return None
-        reply = _Answer()
+        reply = Answer()
         self._replies.add(reply)
         try:
-            self._commands.put(_ClearSnapshots(reply))
+            self._commands.put(ClearSnapshots(reply))
             self._wakeup.set()
             await reply.event.wait()
         finally:
@@ -337,13 +276,13 @@ class Runner:
         if self.crash is not None:
             raise EngineCrashed(f"the engine crashed: {self.crash}")
         self._sinks[job.request_id] = sink
-        self._commands.put(_Start(job))
+        self._commands.put(StartJob(job))
         self._wakeup.set()
 
     def abort(self, request_id: int) -> None:
         """Stop generating for `request_id` at the next step boundary. Idempotent."""
         if self._sinks.pop(request_id, None) is not None:
-            self._commands.put(_Abort(request_id))
+            self._commands.put(AbortJob(request_id))
             self._wakeup.set()
 
     def fail_all(self, finish: FinishReason, error: str | None) -> None:
@@ -351,7 +290,7 @@ class Runner:
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
             sink.push(finish=finish, error=error)
-            self._commands.put(_Abort(request_id, store=False))
+            self._commands.put(AbortJob(request_id, store=False))
 
     @property
     def in_flight(self) -> int:
@@ -521,14 +460,14 @@ class Runner:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Abort):
+            if isinstance(command, AbortJob):
                 seq = live.pop(command.request_id, None)
                 if seq is not None:
                     self.counters.aborted += 1
                     if command.store and seq.prefill_done and getattr(seq, "snapshot_safe", True):
                         self._snapshots.store(seq, "conversation")
                 continue
-            if isinstance(command, _ClearSnapshots):
+            if isinstance(command, ClearSnapshots):
                 assert self._token is not None
                 self._token.run_sync_soon(command.reply.resolve, self._snapshots.clear())
                 continue
