@@ -24,13 +24,15 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from trio_mlx.actors.kv_cache import CacheKind
-from trio_mlx.engine.batch import BatchDecoder, BatchSequence
+from trio_mlx.actors.runner_protocol import AbortJob, ClearSnapshots, SequenceEvent
+from trio_mlx.engine.batch import BatchDecoder
+from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.fast_decode import compiled_batch_enabled
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.types import FinishReason
 
 if TYPE_CHECKING:
-    from trio_mlx.actors.runner import Runner, SequenceEvent
+    from trio_mlx.actors.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +134,6 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
 
 def _apply(runner: Runner, batch: BatchDecoder) -> list[SequenceEvent]:
     """Apply every queued command; return the events they cause (a job that cannot start)."""
-    from trio_mlx.actors.runner import SequenceEvent, _Abort, _ClearSnapshots
-
     events: list[SequenceEvent] = []
     block = runner._prefill_plan.block
     while True:
@@ -141,14 +141,14 @@ def _apply(runner: Runner, batch: BatchDecoder) -> list[SequenceEvent]:
             command = runner._commands.get_nowait()
         except queue.Empty:
             break
-        if isinstance(command, _Abort):
+        if isinstance(command, AbortJob):
             seq = batch.remove(command.request_id, keep_cache=command.store)
             if seq is not None:
                 runner.counters.aborted += 1
                 if command.store and seq.prefill_done and seq.cache is not None:
                     runner._snapshots.store(cast(Any, seq), "conversation")
             continue
-        if isinstance(command, _ClearSnapshots):
+        if isinstance(command, ClearSnapshots):
             assert runner._token is not None
             runner._token.run_sync_soon(command.reply.resolve, runner._snapshots.clear())
             continue
@@ -174,7 +174,5 @@ def _row_event(
     error: str | None,
     logprobs: tuple[Any, ...] = (),
 ) -> SequenceEvent:
-    from trio_mlx.actors.runner import SequenceEvent
-
     reason: FinishReason | None = finish  # type: ignore[assignment]
     return SequenceEvent(seq.request_id, tokens, reason, error, logprobs, seq.cached_tokens)

@@ -23,13 +23,14 @@ vllm-mlx `SimpleEngine` surface); they prepare through the async forms. Sampling
 Prefix KV cache: requests whose prompt starts with tokens already computed (a shared system
 prompt, the previous turn of a conversation, a retry) prefill only the new tokens; see
 `kv_cache_manager` and the runner. `get_cache_stats()` and `clear_runtime_caches()` expose it.
+
+Statistics (`get_stats()`, `get_cache_stats()`) are assembled by `engine_stats`.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -38,6 +39,7 @@ from typing import Any, Unpack
 import trio
 
 from trio_mlx.actors.admission import AdmissionController
+from trio_mlx.actors.engine_stats import FinishedRequests, cache_stats, engine_stats
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo
 from trio_mlx.actors.request import ActiveRequest, GenerationStream
@@ -87,8 +89,7 @@ class Engine:
         self._request_ids = itertools.count(1)
         self._closed = False
         self._started_at = time.monotonic()
-        self._finished: Counter[str] = Counter()
-        self._last: GenerationOutput | None = None
+        self._finished = FinishedRequests()
 
     # ---- facts -----------------------------------------------------------------------------
 
@@ -371,7 +372,7 @@ class Engine:
             sink.close()
             self._runner.abort(request_id)
             lease.release()
-            self._record(stream)
+            self._finished.record(stream)
 
         return ActiveRequest(stream, close)
 
@@ -380,15 +381,6 @@ class Engine:
             raise EngineCrashed(f"the engine crashed: {self._runner.crash}")
         if self._closed:
             raise EngineClosed("the engine is closed")
-
-    def _record(self, stream: RequestStream | None) -> None:
-        if stream is None:
-            return
-        final = stream.final
-        reason = final.finish_reason if final is not None else "abort"
-        self._finished[reason or "abort"] += 1
-        if final is not None:
-            self._last = final
 
     # ---- the convenience API ---------------------------------------------------------------------
 
@@ -522,17 +514,8 @@ class Engine:
         `hits`, `misses`, `hit_ratio`, `tokens_saved` (prompt tokens not prefilled), `stores`,
         `refreshes`, `refused`, `evictions`, `superseded`, `bypassed` (prompts too long for an
         exact reuse under `max_kv_size`), and the runner's side: `snapshots_held`,
-        `snapshots_taken`, `snapshot_seconds`, `restores`."""
-        stats = self._kv_cache.statistics()
-        counters = self._runner.snapshot_counters
-        stats.update(
-            snapshots_held=counters.snapshots_held,
-            snapshots_taken=counters.snapshots_taken,
-            snapshot_seconds=counters.snapshot_seconds,
-            snapshot_failures=counters.snapshot_failures,
-            restores=counters.restores,
-        )
-        return stats
+        `snapshots_taken`, `snapshot_seconds`, `restores` (assembled by `engine_stats`)."""
+        return cache_stats(self._kv_cache, self._runner)
 
     async def clear_runtime_caches(self) -> dict[str, Any]:
         """Drop every cached prefix (the snapshots on the runner thread and the book) and free
@@ -553,90 +536,18 @@ class Engine:
         `accepted_tokens`, `acceptance_rate`, `tokens_per_step` per verification, `plain_steps`,
         `catch_up_tokens`), its `acceptance_rate` also at the top level, and SpecPrefill under
         `"specprefill"` (None without a scoring model: its settings, `requests`, `prompt_tokens`,
-        `kept_tokens`, `skipped_tokens`, `kept_fraction`, `scoring_s`, `sparse_prefill_s`)."""
-        admission = self._admission.book.statistics()
-        counters = self._runner.counters
-        last = self._last
-        speculator = self._runner.speculator
-        speculation = None
-        if speculator is not None:
-            speculation = {
-                "draft_model": "mtp" if self.config.mtp else str(self.config.draft_model),
-                "num_draft_tokens": speculator.num_draft_tokens,
-                **speculator.counters.statistics(),
-            }
-        return {
-            "model_name": self.model_name,
-            "alive": self.is_alive,
-            "uptime_s": time.monotonic() - self._started_at,
-            "admission_mode": admission.mode,
-            "running": admission.running,
-            "waiting": admission.waiting,
-            "max_waiting": admission.max_waiting,
-            "admitted": admission.admitted,
-            "busy_rejections": admission.busy_rejections,
-            "wait_timeouts": admission.wait_timeouts,
-            "slot_holders": [
-                {"request_id": rid, "held_s": held} for rid, held in admission.holders.items()
-            ],
-            "max_num_seqs": admission.slots,
-            "kv_reserved_bytes": admission.kv_reserved_bytes,
-            "kv_budget_bytes": admission.kv_budget_bytes,
-            "memory_waits": admission.memory_waits,
-            "finished": dict(self._finished),
-            "runner": {
-                "batching": self._runner.batching,
-                "decoding": counters.decoding,
-                "prefilling": counters.prefilling,
-                "batch_sizes": {str(k): v for k, v in sorted(counters.batch_sizes.items())},
-                "tokens_per_step": (counters.prompt_tokens + counters.generated_tokens)
-                / counters.steps
-                if counters.steps
-                else 0.0,
-                "kv_bytes": counters.kv_bytes,
-                "steps": counters.steps,
-                "prefill_chunks": counters.prefill_chunks,
-                "decode_steps": counters.decode_steps,
-                "prompt_tokens": counters.prompt_tokens,
-                "generated_tokens": counters.generated_tokens,
-                "live_sequences": counters.live,
-                "requests_in_flight": self._runner.in_flight,
-                "started": counters.started,
-                "aborted": counters.aborted,
-                "failed": counters.failed,
-                "busy_s": counters.busy_seconds,
-            },
-            "cache": self.get_cache_stats(),
-            "vision_cache": self._runner.vision_cache.statistics(),
-            "multimodal": self.info.multimodal is not None,
-            "acceptance_rate": None if speculation is None else speculation["acceptance_rate"],
-            "speculative": speculation,
-            "specprefill": self._specprefill_stats(),
-            "last_request": None
-            if last is None
-            else {
-                "prompt_tokens": last.prompt_tokens,
-                "completion_tokens": last.completion_tokens,
-                "finish_reason": last.finish_reason,
-                "time_to_first_token_s": last.time_to_first_token,
-                "generation_tps": last.generation_tps,
-            },
-        }
-
-    def _specprefill_stats(self) -> dict[str, Any] | None:
-        """SpecPrefill's settings and counters (None when no scoring model is loaded)."""
-        runner = self._runner
-        if runner.scorer is None:
-            return None
-        settings = runner.specprefill
-        return {
-            "enabled": settings.enabled,
-            "threshold": settings.threshold,
-            "keep_pct": settings.keep_pct,
-            "backbone_pct": settings.backbone_pct,
-            "route": "batched: full prefill" if runner.batching else "serialized",
-            **runner.specprefill_counters.statistics(),
-        }
+        `kept_tokens`, `skipped_tokens`, `kept_fraction`, `scoring_s`, `sparse_prefill_s`).
+        Assembled by `engine_stats`."""
+        return engine_stats(
+            config=self.config,
+            info=self.info,
+            runner=self._runner,
+            admission=self._admission,
+            kv_cache=self._kv_cache,
+            finished=self._finished,
+            alive=self.is_alive,
+            started_at=self._started_at,
+        )
 
     # ---- shutdown -----------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ runs on a thread from `runner_threads` (process-wide, parked between engines, ne
 there why MLX's thread-local state must not be torn down by a thread exit), from `Runner.run`
 until the runner stops.
 
-Protocol:
+Protocol (its messages and counters: `runner_protocol`):
 - Trio -> runner: `submit(job, sink)` and `abort(request_id)`, both synchronous and non-blocking.
   Commands go through a thread-safe queue; the thread reads it between steps without a thread
   hop. While it has no work the thread parks on a `threading.Event`; a stop request (the `run`
@@ -13,10 +13,13 @@ Protocol:
   step.
 - runner -> Trio: after each step, one batch of `SequenceEvent`s with every live request's new
   tokens, finishes and errors, handed over with `TrioToken.run_sync_soon`; readiness and the
-  answer to a `_ClearSnapshots` go the same way. The thread never waits for the event loop (the
+  answer to a `ClearSnapshots` go the same way. The thread never waits for the event loop (the
   prefix-cache book it consults is thread-safe and called directly: `snapshot_keeper`). On the
   Trio side `_deliver` fans a batch out to each request's `TokenSink`; a sink whose consumer has
   gone makes that request abort at the next step boundary.
+
+Start-up (`runner_start`, on the thread, before `started`): the models are loaded, then the fast
+decode step, the prefill plan, the route and the speculator are chosen.
 
 Two routes, chosen once the model is loaded:
 - serialized (`max_num_seqs == 1`, a model whose cache cannot be batched, or a vision-language
@@ -45,7 +48,7 @@ Prefix caching (when a `KVCacheManager` is attached and enabled), through the ru
   does not wait for the snapshot of its system prompt), its finishes after them (a request that
   has ended has its entries in the book). A request aborted during prefill, or one that failed,
   stores nothing at its end.
-- `_ClearSnapshots`: drops every snapshot, empties the book, frees MLX's buffer cache.
+- `ClearSnapshots`: drops every snapshot, empties the book, frees MLX's buffer cache.
 """
 
 from __future__ import annotations
@@ -57,7 +60,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -68,7 +70,17 @@ import trio
 from trio_mlx.actors.batch_loop import serve_batched
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
-from trio_mlx.actors.model_info import ModelInfo, describe
+from trio_mlx.actors.model_info import ModelInfo
+from trio_mlx.actors.runner_protocol import (
+    AbortJob,
+    Answer,
+    ClearSnapshots,
+    Command,
+    RunnerCounters,
+    SequenceEvent,
+    StartJob,
+)
+from trio_mlx.actors.runner_start import ModelLoader, StartOptions, load_models, prepare_serving
 from trio_mlx.actors.runner_threads import RUNNER_THREAD_NAME as RUNNER_THREAD_NAME
 from trio_mlx.actors.runner_threads import (
     runner_stream,
@@ -78,22 +90,19 @@ from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
-from trio_mlx.engine.fast_decode import prepare_fast_decode
 from trio_mlx.engine.loading import LoadedModel, load_model
-from trio_mlx.engine.model_probe import probe_cache
-from trio_mlx.engine.mtp import MtpDrafter
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.engine.specprefill import (
     SpecPrefillCounters,
     SpecPrefillSequence,
     SpecPrefillSettings,
 )
-from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator, check_draft
+from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator
 from trio_mlx.engine.speculative_sequence import SpeculativeSequence
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
 from trio_mlx.multimodal.vision import VisionFeatureCache
-from trio_mlx.types import FinishReason, TokenLogprob
+from trio_mlx.types import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -101,79 +110,8 @@ log = logging.getLogger(__name__)
 #: prompt's sparse prefill.
 LiveSequence = ActiveSequence | SpeculativeSequence | MultimodalSequence | SpecPrefillSequence
 
-ModelLoader = Callable[[str | Path | None], LoadedModel]
-
 #: Seconds without work after which the runner frees MLX's buffer cache.
 IDLE_TRIM_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class SequenceEvent:
-    """One request's share of a step."""
-
-    request_id: int
-    tokens: tuple[int, ...] = ()
-    finish: FinishReason | None = None
-    error: str | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-    #: Prompt tokens restored from the prefix cache rather than prefilled.
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class _Start:
-    job: GenerationJob
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: int
-    #: Snapshot the sequence if its prefill is complete (not when the engine is closing).
-    store: bool = True
-
-
-class _Answer:
-    """A one-shot answer from the runner thread, resolved on the Trio thread."""
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.value: dict[str, Any] | None = None
-
-    def resolve(self, value: dict[str, Any] | None) -> None:
-        if not self.event.is_set():
-            self.value = value
-            self.event.set()
-
-
-@dataclass(frozen=True)
-class _ClearSnapshots:
-    reply: _Answer
-
-
-_Command = _Start | _Abort | _ClearSnapshots
-
-
-@dataclass
-class RunnerCounters:
-    """Written by the runner thread only; read by anyone (plain ints)."""
-
-    steps: int = 0
-    prefill_chunks: int = 0
-    decode_steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    started: int = 0
-    aborted: int = 0
-    failed: int = 0
-    busy_seconds: float = 0.0
-    live: int = 0
-    #: sequences in the decode batch / prefilling to join it (batched route)
-    decoding: int = 0
-    prefilling: int = 0
-    #: decode steps by batch size (batched route: rows in the step's forward pass)
-    batch_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
-    #: memory of the live sequences' KV caches (batched route; bytes)
-    kv_bytes: int = 0
 
 
 class Runner:
@@ -199,36 +137,39 @@ class Runner:
         specprefill_model: str | Path | None = None,
         specprefill: SpecPrefillSettings | None = None,
     ) -> None:
-        if mtp and draft_model is not None:
-            raise ValueError("mtp and draft_model cannot be combined: one drafter at a time")
-        self._model_spec = model
-        self._draft_spec = draft_model
-        self._num_draft_tokens = mtp_num_draft_tokens if mtp else num_draft_tokens
-        #: native MTP: the model's own multi-token-prediction head drafts (`engine/mtp.py`)
-        self._mtp = mtp
-        #: draft-model speculative decoding (`engine/speculative.py`), when a draft is configured
+        self._options = StartOptions(
+            model=model,
+            loader=loader,
+            max_kv_size=max_kv_size,
+            max_num_seqs=max_num_seqs,
+            prefill_step_size=prefill_step_size,
+            fused_tail_tokens=fused_tail_tokens,
+            prefill_block=prefill_block,
+            prefill_chunk_seconds=prefill_chunk_seconds,
+            compiled_decode=compiled_decode,
+            fused_projections=fused_projections,
+            draft_model=draft_model,
+            mtp=mtp,
+            num_draft_tokens=mtp_num_draft_tokens if mtp else num_draft_tokens,
+            specprefill_model=specprefill_model,
+        )
+        #: speculative decoding (`engine/speculative.py`: a draft model, or the MTP head)
         self.speculator: Speculator | None = None
-        self._scorer_spec = specprefill_model
         self.specprefill = specprefill or SpecPrefillSettings()
         #: the model SpecPrefill scores with (loaded when `specprefill_model` is given)
         self.scorer: Any = None
         self.specprefill_counters = SpecPrefillCounters()
         self.max_num_seqs = max_num_seqs
-        self._chunk_seconds = prefill_chunk_seconds
         self.pacer = PrefillPacer(prefill_step_size, target_seconds=prefill_chunk_seconds)
         #: KV cache bytes per token of one sequence (measured once the model is loaded)
         self.kv_bytes_per_token = 0
         #: whether the batched route serves (max_num_seqs > 1 and a cache that can be merged)
         self.batching = False
-        self._prefill_options = (prefill_step_size, fused_tail_tokens, prefill_block)
         self._prefill_plan = PrefillPlan(prefill_step_size)  # chosen again once a model is loaded
         self._max_kv_size = max_kv_size
-        self._compiled_option = compiled_decode
-        self._fused_option = fused_projections
         #: the model's traced decode step (`fast_decode`), None when off or unsupported
         self.compiled: CompiledDecode | None = None
-        self._loader = loader
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()  # set whenever a command is queued, or to stop
         self._stop = threading.Event()
         #: Set by the runner thread once its model is loaded (before it checks for a stop).
@@ -240,7 +181,7 @@ class Runner:
         self.crash: BaseException | None = None
         self._snapshots = SnapshotKeeper()
         self.snapshot_counters = self._snapshots.counters
-        self._replies: set[_Answer] = set()
+        self._replies: set[Answer] = set()
         self._serving = False
         #: vision features of recent media (runner thread only; statistics read anywhere)
         self.vision_cache = VisionFeatureCache()
@@ -320,10 +261,10 @@ class Runner:
         between two steps. Returns what was freed, or None when the runner is not serving."""
         if not self._serving or self.crash is not None:
             return None
-        reply = _Answer()
+        reply = Answer()
         self._replies.add(reply)
         try:
-            self._commands.put(_ClearSnapshots(reply))
+            self._commands.put(ClearSnapshots(reply))
             self._wakeup.set()
             await reply.event.wait()
         finally:
@@ -335,13 +276,13 @@ class Runner:
         if self.crash is not None:
             raise EngineCrashed(f"the engine crashed: {self.crash}")
         self._sinks[job.request_id] = sink
-        self._commands.put(_Start(job))
+        self._commands.put(StartJob(job))
         self._wakeup.set()
 
     def abort(self, request_id: int) -> None:
         """Stop generating for `request_id` at the next step boundary. Idempotent."""
         if self._sinks.pop(request_id, None) is not None:
-            self._commands.put(_Abort(request_id))
+            self._commands.put(AbortJob(request_id))
             self._wakeup.set()
 
     def fail_all(self, finish: FinishReason, error: str | None) -> None:
@@ -349,7 +290,7 @@ class Runner:
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
             sink.push(finish=finish, error=error)
-            self._commands.put(_Abort(request_id, store=False))
+            self._commands.put(AbortJob(request_id, store=False))
 
     @property
     def in_flight(self) -> int:
@@ -397,80 +338,29 @@ class Runner:
             self.compiled = None  # its traces hold the model's arrays
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
+        """Load (`runner_start`), report ready, then serve on the route chosen at start-up."""
         import mlx.core as mx
 
-        loaded = (
-            self._loader(self._model_spec, mtp=True)  # type: ignore[call-arg]
-            if self._mtp
-            else self._loader(self._model_spec)
-        )
-        draft: Any = None
-        if self._mtp:
-            draft = MtpDrafter(loaded.model)
-            check_draft(loaded, loaded, self._max_kv_size)  # the target's cache must trim
-        elif self._draft_spec is not None:
-            draft = self._loader(self._draft_spec)
-            check_draft(loaded, draft, self._max_kv_size)
-        if self._scorer_spec is not None:
-            if self._scorer_spec == self._draft_spec and draft is not None:
-                self.scorer = draft.model
-            else:
-                scorer = self._loader(self._scorer_spec)
-                check_draft(loaded, scorer, self._max_kv_size)
-                self.scorer = scorer.model
+        models = load_models(self._options)
+        self.scorer = models.scorer
         self._loaded.set()
         if self._stop.is_set():  # cancelled while loading: nobody waits for this model
             return
-        if draft is not None and self._compiled_option:
-            log.info("compiled decode off: a draft model verifies several tokens a step")
-        # With a draft, decode steps are the speculator's (several tokens a pass): no traced step.
-        compiled_option = False if draft is not None else self._compiled_option
-        self.compiled = prepare_fast_decode(loaded.model, compiled_option, self._fused_option)
-        if draft is not None and not self._mtp:  # a draft model's steps are launch-bound too
-            prepare_fast_decode(draft.model, False, self._fused_option)
-        info = describe(loaded, self._max_kv_size)
-        step, tail, block = self._prefill_options
-        self._prefill_plan = PrefillPlan.choose(
-            step,
-            tail=tail,
-            block=block,
-            trimmable=info.cache_support is not None and info.cache_support.trimmable,
-        )
-        log.debug("prefill plan: %s", self._prefill_plan)
-        self.pacer = PrefillPacer(
-            self._prefill_plan.step,
-            block=self._prefill_plan.block,
-            target_seconds=self._chunk_seconds,
-        )
-        self.kv_bytes_per_token, mergeable = probe_cache(
-            loaded.model, self._max_kv_size, self.pacer
-        )
-        multimodal = loaded.multimodal is not None
-        self.batching = self.max_num_seqs > 1 and mergeable and not multimodal
-        if draft is not None:
-            self.speculator = Speculator(
-                loaded.model,
-                draft if self._mtp else draft.model,
-                num_draft_tokens=self._num_draft_tokens,
-                catch_up_tokens=self._prefill_plan.step,
-            )
-            log.info(
-                "speculative decoding with %s, %d draft tokens",
-                "the model's MTP head" if self._mtp else draft.name,
-                self._num_draft_tokens,
-            )
-        if self.max_num_seqs > 1 and not mergeable:
-            log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
-        elif self.max_num_seqs > 1 and multimodal:
-            log.info("a vision-language model: serving one sequence at a time")
+        setup = prepare_serving(models, self._options)
+        self.compiled = setup.compiled
+        self._prefill_plan = setup.prefill_plan
+        self.pacer = setup.pacer
+        self.kv_bytes_per_token = setup.kv_bytes_per_token
+        self.batching = setup.batching
+        self.speculator = setup.speculator
         assert self._token is not None
-        self.info = info  # before any job can arrive: jobs come after `started`
-        self._token.run_sync_soon(report_ready, info)
+        self.info = setup.info  # before any job can arrive: jobs come after `started`
+        self._token.run_sync_soon(report_ready, setup.info)
         with mx.stream(runner_stream()):
             if self.batching:
-                serve_batched(self, loaded)
+                serve_batched(self, models.target)
             else:
-                self._serve_serialized(loaded)
+                self._serve_serialized(models.target)
 
     def _emit(
         self,
@@ -570,14 +460,14 @@ class Runner:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Abort):
+            if isinstance(command, AbortJob):
                 seq = live.pop(command.request_id, None)
                 if seq is not None:
                     self.counters.aborted += 1
                     if command.store and seq.prefill_done and getattr(seq, "snapshot_safe", True):
                         self._snapshots.store(seq, "conversation")
                 continue
-            if isinstance(command, _ClearSnapshots):
+            if isinstance(command, ClearSnapshots):
                 assert self._token is not None
                 self._token.run_sync_soon(command.reply.resolve, self._snapshots.clear())
                 continue

@@ -23,7 +23,8 @@ from trio_mlx.actors.admission import AdmissionBook, AdmissionController
 from trio_mlx.actors.engine import Engine
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo
-from trio_mlx.actors.runner import ModelLoader, Runner
+from trio_mlx.actors.runner import Runner
+from trio_mlx.actors.runner_start import ModelLoader
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.batch import default_max_num_seqs, device_memory_bytes
 from trio_mlx.engine.kv_snapshots import SnapshotSupport

@@ -1,7 +1,7 @@
 """Continuous batching: many sequences decoding together, one forward pass per step. Runs on the
 runner thread only.
 
-`BatchDecoder` holds two groups of `BatchSequence`s:
+`BatchDecoder` holds two groups of `BatchSequence`s (`batch_sequence`):
 - `waiting`: admitted, prefilling on a cache of their own (restored from the prefix cache or
   fresh), one chunk at a time under the runner's budget (`prefill`). A sequence is ready once
   every prompt token but the last is in its cache;
@@ -25,14 +25,10 @@ whatever its companions), its logits processors called on its own row of logits 
 until they retire, its logprobs, its EOS set and `max_tokens`. Rows that are greedy without
 processors or penalties (logit bias allowed) are chosen by one batched argmax.
 
-Constrained rows (a job with a `grammar`: each row its own `GrammarMatcher`): a row's mask for
-step k depends on its token of step k - 1, which is read only after step k's forward pass has been
-queued. So `decode()` queues step k's forward pass with every unconstrained row's choice (the
-batched argmax for plain rows, unchanged), reads step k - 1 (advancing each constrained row's
-matcher with its token), then computes the constrained rows' masks on the CPU (in parallel,
-while the device runs the forward pass) and queues their masked choices, and the next step's
-inputs, behind it. Unconstrained rows never wait for a mask; a constrained row's token that
-completes its grammar ends it (`stop`) at once.
+Constrained rows (a job with a `grammar`: each row its own `GrammarMatcher`) are chosen after
+the previous step is read, their masks computed while the device runs the step
+(`batch_constrained`); a batch with one row may take speculative steps instead of `decode`
+(`batch_speculate`).
 
 Token accounting: at every call boundary a row's cache holds `fed_tokens()`: the prompt tokens
 processed and the generated tokens read so far (each token read has already been fed to the step
@@ -54,18 +50,19 @@ from typing import Any
 import mlx.core as mx
 
 from trio_mlx.engine import batch_mask
+from trio_mlx.engine.batch_constrained import choose_constrained
+from trio_mlx.engine.batch_sequence import BatchSequence
+from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import (
     GenerationJob,
-    LogitsProcessor,
     PendingToken,
     PrefillPlan,
     read_logprobs,
 )
-from trio_mlx.engine.prompt_cache import make_cache
-from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
+from trio_mlx.engine.sampling import logprob_arrays
 from trio_mlx.engine.speculative import Speculator
-from trio_mlx.structured.matcher import GrammarViolation, allowed_words_of, apply_token_mask
+from trio_mlx.structured.matcher import GrammarViolation, apply_token_mask
 from trio_mlx.types import TokenLogprob
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
@@ -94,105 +91,6 @@ def batchable(cache: Sequence[Any]) -> bool:
     return all(hasattr(c, "merge") for c in cache)
 
 
-class BatchSequence:
-    """One sequence of a `BatchDecoder`: its job, sampler, processors and where it has got to.
-
-    `cache` is its own prompt cache while it prefills, None while it is a row of the batch, and
-    the cache extracted from the batch once it has left (finished or aborted), for a snapshot.
-    """
-
-    def __init__(
-        self,
-        job: GenerationJob,
-        model: Any,
-        *,
-        vocab_size: int,
-        plan: PrefillPlan,
-        max_kv_size: int | None,
-        cache: list[Any] | None,
-        cached_tokens: int,
-        split_at_store_points: bool,
-    ) -> None:
-        if not job.prompt_tokens:
-            raise ValueError("a generation needs at least one prompt token")
-        if cache is None:
-            cached_tokens = 0
-        self.job = job
-        self.request_id = job.request_id
-        self.cache: list[Any] | None = make_cache(model, max_kv_size) if cache is None else cache
-        self.cached_tokens = cached_tokens
-        self._plan = plan if cached_tokens % plan.block == 0 else PrefillPlan(plan.step)
-        self._split = split_at_store_points
-        last = len(job.prompt_tokens) - 1
-        self._store_points = sorted({p for p in job.store_points if cached_tokens < p <= last})
-        self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
-        self.prompt_done = cached_tokens
-        self.selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
-        self.processors: list[LogitsProcessor] = list(job.logits_processors)
-        self.grammar = job.grammar.matcher() if job.grammar is not None else None
-        self.history: Any = mx.array(job.prompt_tokens, dtype=mx.int32) if self.processors else None
-        self.fed_generated: list[int] = []
-        #: the row's next input when it is not yet fed (after a speculative step, or a step read
-        #: without a next one queued: `BatchDecoder.speculate`); the next queued step feeds it
-        self.pending: int | None = None
-        #: the draft model's cache, once this sequence has speculated (`speculative.py`)
-        self.draft: Any = None
-        self.generated = 0
-        self.finished = False
-        #: leaves the batch at the next step (finished, aborted or failed)
-        self.removed = False
-        #: a per-row failure (a processor or the sampler raised), reported at the next read
-        self.failure: str | None = None
-
-    @property
-    def ready(self) -> bool:
-        """Every prompt token but the last is in the cache: it can join the batch."""
-        return self.prompt_done >= len(self.job.prompt_tokens) - 1
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.prompt_done >= len(self.job.prompt_tokens)
-
-    @property
-    def plain(self) -> bool:
-        """Greedy, no processors, no penalties, no grammar: chosen by the batch's argmax (bias
-        allowed)."""
-        return not self.processors and self.grammar is None and self.selector.batch_greedy
-
-    def fed_tokens(self) -> tuple[int, ...]:
-        """The tokens this sequence's cache holds at a call boundary, in order."""
-        return self.job.prompt_tokens[: self.prompt_done] + tuple(self.fed_generated)
-
-    def prefill_chunk(self, model: Any, limit: int) -> tuple[int, tuple[int, ...]]:
-        """Run one chunk of at most `limit` prompt tokens (whole blocks, the last padded and cut
-        back) on this sequence's own cache; return the tokens prefilled and the store points
-        reached. Raises whatever the model raises."""
-        assert self.cache is not None
-        remaining = len(self.job.prompt_tokens) - 1 - self.prompt_done
-        if remaining <= 0:
-            return 0, ()
-        block = self._plan.block
-        n = min(limit, self._plan.step, remaining)
-        if self._split and self._store_points:
-            n = min(n, self._store_points[0] - self.prompt_done)
-        if block > 1 and n >= block:
-            n -= n % block
-        chunk = self._prompt[self.prompt_done : self.prompt_done + n]
-        padding = -n % block
-        if padding:
-            chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], padding)])
-        model(chunk[None], cache=self.cache)
-        if padding:
-            for layer in self.cache:
-                layer.trim(padding)
-        mx.eval([c.state for c in self.cache])
-        self.prompt_done += n
-        reached = []
-        while self._store_points and self._store_points[0] <= self.prompt_done:
-            reached.append(self._store_points.pop(0))
-        return n, tuple(reached)
-
-
 @dataclass(frozen=True)
 class RowResult:
     """What one step produced for one sequence: a token (none on EOS or failure), a finish."""
@@ -214,7 +112,7 @@ class PrefillResult:
     error: str | None = None
 
 
-class _Queued:
+class QueuedStep:
     """A queued decode step: its rows (in row order) and their lazy outputs. While constrained
     rows wait for their masks, `tokens` is None and `pieces` holds every other row's token
     (None for the constrained ones), `logits` the step's logits."""
@@ -262,7 +160,7 @@ class BatchDecoder:
         self.rows: list[BatchSequence] = []
         self._cache: list[Any] = []
         self._inputs: Any = None
-        self._queued: _Queued | None = None
+        self._queued: QueuedStep | None = None
         self._bias: Any = None
         self._bias_stale = True
         self.steps = 0
@@ -329,13 +227,13 @@ class BatchDecoder:
             queued = self._queue_step() if self.rows else None
             results = self._read(self._queued) if self._queued is not None else []
             if queued is not None and queued.tokens is None:
-                self._choose_constrained(queued)
+                self._inputs = choose_constrained(queued, self._choose_row)
         except Exception as exc:
             return self._fail_batch(exc)
         self._queued = queued
         return results
 
-    def _queue_step(self) -> _Queued:
+    def _queue_step(self) -> QueuedStep:
         rows = list(self.rows)
         for seq in rows:
             seq.prompt_done = len(seq.job.prompt_tokens)
@@ -353,11 +251,11 @@ class BatchDecoder:
             pieces, logprobs = self._choose_pieces(rows, logits, skip_constrained=True)
             ready = [p for p in pieces if p is not None]
             mx.async_eval(logits, *ready, *(a for p in logprobs.values() for a in p.arrays()))
-            return _Queued(rows, None, logprobs, logits=logits, pieces=pieces)
+            return QueuedStep(rows, None, logprobs, logits=logits, pieces=pieces)
         tokens, logprobs = self._choose(rows, logits)
         self._inputs = tokens
         mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
-        return _Queued(rows, tokens, logprobs)
+        return QueuedStep(rows, tokens, logprobs)
 
     def _choose(self, rows: list[BatchSequence], logits: Any) -> tuple[Any, dict[int, Any]]:
         """The next token of every row (shape (B,), lazy), and the rows' logprob arrays."""
@@ -411,70 +309,6 @@ class BatchDecoder:
             token = mx.argmax(raw, -1)
         return token.astype(mx.uint32)
 
-    def _choose_constrained(self, queued: _Queued) -> None:
-        """Choose the constrained rows' tokens of `queued` (its forward pass already on the
-        device, the previous step read) and queue the step's tokens as the next inputs.
-
-        Their masks are computed together (in parallel); rows that are greedy with nothing else
-        to apply are chosen by one masked argmax, the others each on their own row."""
-        pieces = queued.pieces
-        assert pieces is not None
-        waiting = [i for i, p in enumerate(pieces) if p is None and not queued.rows[i].removed]
-        masks: dict[int, Any] = {}
-        if waiting:
-            matchers = [queued.rows[i].grammar for i in waiting]
-            try:
-                words = allowed_words_of(matchers)  # type: ignore[arg-type]
-                masks = {i: words[j : j + 1] for j, i in enumerate(waiting)}
-            except GrammarViolation:
-                pass  # each row finds its own failure below
-        simple = [i for i in waiting if i in masks and _greedy_alone(queued.rows[i])]
-        if len(simple) > 1:
-            self._choose_greedy_masked(queued, simple, masks)
-        for i in waiting:
-            if pieces[i] is not None:
-                continue
-            seq = queued.rows[i]
-            row_words = masks.get(i)
-            if row_words is None:
-                assert seq.grammar is not None
-                try:
-                    row_words = seq.grammar.allowed_words()[None]
-                except GrammarViolation as exc:
-                    seq.failure = f"{type(exc).__name__}: {exc}"
-                    pieces[i] = mx.zeros((1,), dtype=mx.uint32)
-                    continue
-            raw = queued.logits[i : i + 1]
-            pieces[i] = self._choose_row(i, seq, raw, None, queued.logprobs, row_words)
-        for i, piece in enumerate(pieces):
-            if piece is None:  # left since (finished or aborted): its token is never read
-                pieces[i] = mx.zeros((1,), dtype=mx.uint32)
-        tokens = mx.concatenate(pieces)
-        queued.tokens = tokens
-        queued.logits = queued.pieces = None
-        self._inputs = tokens
-        mx.async_eval(tokens, *(a for p in queued.logprobs.values() for a in p.arrays()))
-
-    def _choose_greedy_masked(
-        self, queued: _Queued, rows: list[int], masks: dict[int, Any]
-    ) -> None:
-        """One masked argmax for the constrained `rows` of `queued` (greedy, nothing else)."""
-        import numpy as np
-
-        pieces = queued.pieces
-        assert pieces is not None
-        words = np.concatenate([masks[i] for i in rows])
-        masked = apply_token_mask(queued.logits[mx.array(rows)], words)
-        chosen = mx.argmax(masked, -1).astype(mx.uint32)
-        for k, i in enumerate(rows):
-            token = chosen[k : k + 1]
-            pieces[i] = token
-            params = queued.rows[i].job.params
-            if params.logprobs:
-                raw = queued.logits[i : i + 1]
-                picked, ids, values = logprob_arrays(raw, token, params.top_logprobs)
-                queued.logprobs[i] = PendingToken(token, picked, ids, values)
-
     def _sample(self, seq: BatchSequence, raw: Any, words: Any = None) -> Any:
         logits = raw
         for processor in seq.processors:
@@ -501,7 +335,7 @@ class BatchDecoder:
                 self._bias = mx.stack([zeros if b is None else b for b in biases])
         return self._bias
 
-    def _read(self, queued: _Queued, *, fed: bool = True) -> list[RowResult]:
+    def _read(self, queued: QueuedStep, *, fed: bool = True) -> list[RowResult]:
         """The tokens of a queued step; `fed`: the step after it is queued already (so they
         are in the cache), else each row's token is its `pending` input."""
         mx.eval(queued.tokens)
@@ -554,11 +388,8 @@ class BatchDecoder:
 
     def can_speculate(self) -> bool:
         """One row decodes, without logits processors or a grammar, past its first token (in
-        flight or read): `speculate` may replace `decode`."""
-        rows = [s for s in self.rows if not s.removed]
-        if len(rows) != 1 or rows[0].processors or rows[0].grammar is not None:
-            return False
-        return self._queued is not None or rows[0].pending is not None
+        flight or read): `speculate` may replace `decode` (`batch_speculate`)."""
+        return can_speculate(self.rows, step_queued=self._queued is not None)
 
     def speculate(self, speculator: Speculator) -> list[RowResult]:
         """One speculative step (`Speculator.step`) for the batch's only row, instead of
@@ -578,25 +409,10 @@ class BatchDecoder:
         if len(live) != 1 or live[0].pending is None:
             return results
         seq = live[0]
-        pending = live[0].pending
         try:
-            if seq.draft is None:
-                seq.draft = speculator.open_draft()
-            out = speculator.step(
-                self._cache,
-                seq.draft,
-                seq.fed_tokens(),
-                pending,
-                seq.selector,
-                seq.job.params,
-                self._eos,
-                seq.generated,
-            )
+            out = speculate_row(seq, speculator, self._cache, self._eos)
         except Exception as exc:
             return results + self._fail_batch(exc)
-        seq.fed_generated.extend(out.fed)
-        seq.pending = out.pending
-        seq.generated += len(out.tokens)
         if out.pending is not None:
             self._inputs = mx.array([out.pending], dtype=mx.uint32)
         if out.finish is not None:
@@ -687,8 +503,3 @@ class BatchDecoder:
             self._inputs = mx.concatenate([self._inputs, last])
         self.rows.extend(joiners)
         return len(joiners)
-
-
-def _greedy_alone(seq: BatchSequence) -> bool:
-    """Greedy with no processor, penalty or bias: only its grammar's mask shapes its choice."""
-    return not seq.processors and seq.selector.batch_greedy and seq.selector.bias is None

@@ -47,8 +47,9 @@ from trio_mlx.http.objects import Health, ModelCard, ModelList
 from trio_mlx.http.openapi import openapi_document
 from trio_mlx.http.ownership import RequestOwner
 from trio_mlx.http.page import add_page_routes
-from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
 from trio_mlx.http.responses import start_response
+from trio_mlx.http.responses_requests import ResponsesRequest
 from trio_mlx.http.state import ServerState
 
 log = logging.getLogger("trio_mlx.http")

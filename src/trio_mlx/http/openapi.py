@@ -28,7 +28,8 @@ from trio_mlx.http.objects import (
     ResponseObject,
     ResponseStreamEvent,
 )
-from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest, ResponsesRequest
+from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
+from trio_mlx.http.responses_requests import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 

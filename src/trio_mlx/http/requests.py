@@ -1,4 +1,6 @@
-"""Request bodies of the OpenAI routes, as pydantic models.
+"""Request bodies of the OpenAI chat and completions routes, as pydantic models, and what every
+route's body shares (`SamplingFields`, the content parts, the field types below). The Responses
+API's bodies are in `responses_requests`, the Anthropic ones in `anthropic/requests`.
 
 Types and ranges that are plain facts about the field are checked here (a failure is a 400 whose
 `param` names the field); values that depend on the model (token ids, the context) are checked by
@@ -13,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.structured_output import ResponseFormat, ResponseTextFormat
+from trio_mlx.http.structured_output import ResponseFormat
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 # Fields that are validated in code (for a clearer message than a type error) but whose accepted
@@ -375,140 +377,3 @@ class CompletionRequest(SamplingFields):
             )
         only = prompt[0]
         return only if isinstance(only, str) else list(only)  # type: ignore[arg-type]
-
-
-# ---- responses ---------------------------------------------------------------------------------
-
-
-class InputItem(_Body):
-    """An item of `input`: a message (`type` "message" or left out: `role` and `content`), a
-    call the assistant made earlier (`function_call`: `call_id`, `name`, `arguments`), or its
-    result (`function_call_output`: `call_id`, `output`). Which fields each needs is checked
-    where the items become a conversation (`responses.input_messages`); the schema states it."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "allOf": [
-                {
-                    "if": {
-                        "properties": {"type": {"const": "function_call"}},
-                        "required": ["type"],
-                    },
-                    "then": {
-                        "properties": {
-                            "call_id": {"type": "string"},
-                            "name": {"type": "string"},
-                            "arguments": {"type": "string"},
-                        },
-                        "required": ["call_id", "name", "arguments"],
-                    },
-                },
-                {
-                    "if": {
-                        "properties": {"type": {"const": "function_call_output"}},
-                        "required": ["type"],
-                    },
-                    "then": {
-                        "properties": {
-                            "call_id": {"type": "string"},
-                            "output": {"type": ["string", "array"]},
-                        },
-                        "required": ["call_id", "output"],
-                    },
-                },
-                {
-                    "if": {
-                        "anyOf": [
-                            {"not": {"required": ["type"]}},
-                            {"properties": {"type": {"const": "message"}}},
-                        ]
-                    },
-                    "then": {
-                        "properties": {
-                            "role": {"enum": ["system", "developer", "user", "assistant"]},
-                            "content": {"type": ["string", "array"]},
-                        },
-                        "required": ["role", "content"],
-                    },
-                },
-            ]
-        }
-    )
-
-    type: Literal["message", "function_call", "function_call_output"] = "message"
-    role: Literal["system", "developer", "user", "assistant"] | None = None
-    content: str | list[ContentPart] | None = None
-    id: str | None = None
-    status: str | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-    output: str | list[ContentPart] | None = None
-
-
-class ResponseTool(_Body):
-    """A Responses tool: a function (its fields beside `type`, not under `function`). The
-    built-in tools (web search, file search, computer use, ...) are not served here."""
-
-    type: Annotated[Literal["function"], WithJsonSchema({"const": "function"})]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ResponseText(_Body):
-    format: ResponseTextFormat | None = None
-
-
-class ResponsesRequest(SamplingFields):
-    """POST /v1/responses (and a `response.create` message on its WebSocket)."""
-
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
-    instructions: str | None = None
-    max_output_tokens: Positive | None = None
-    previous_response_id: Annotated[str | None, ONLY_NULL] = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    text: ResponseText | None = None
-    tools: list[ResponseTool] | None = None
-    # Checked against `tools` in `http/tooling.py` (a named function must be one of them).
-    tool_choice: Annotated[
-        Literal["none", "auto", "required"] | dict[str, Any] | None,
-        WithJsonSchema(
-            {
-                "anyOf": [
-                    {"enum": ["none", "auto", "required"]},
-                    {
-                        "type": "object",
-                        "properties": {
-                            "type": {"const": "function"},
-                            "name": {"type": "string"},
-                        },
-                        "required": ["type", "name"],
-                    },
-                    {"type": "null"},
-                ]
-            }
-        ),
-    ] = None
-    parallel_tool_calls: bool | None = None
-
-    def chat_tools(self) -> list[dict[str, Any]] | None:
-        """The function tools in the chat shape (`{"type": "function", "function": {...}}`)."""
-        if not self.tools:
-            return None
-        return [
-            {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
-            for tool in self.tools
-        ]
-
-    def check_supported(self) -> None:
-        if self.previous_response_id is not None:
-            raise APIError(
-                400,
-                "previous_response_id is not supported: this server does not "
-                "store responses; send the conversation as input items",
-                param="previous_response_id",
-                code="unsupported_value",
-            )

@@ -45,7 +45,8 @@ from trio_mlx.http.objects import (
     ResponseStreamEvent,
     ResponseUsage,
 )
-from trio_mlx.http.requests import ChatMessage, InputItem, ResponsesRequest
+from trio_mlx.http.requests import ChatMessage
+from trio_mlx.http.responses_requests import InputItem, ResponsesRequest
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader, plan_tools

@@ -31,7 +31,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from trio_mlx.actors.runner import ModelLoader
+from trio_mlx.actors.runner_start import ModelLoader
 from trio_mlx.actors.supervisor import open_engine
 from trio_mlx.config import SERVER_PROCESS_SETTINGS
 from trio_mlx.engine.loading import load_model

@@ -1,0 +1,98 @@
+"""What crosses between the Trio side and the runner thread (see `runner` for the protocol).
+
+- Trio -> runner, through the runner's command queue: `StartJob`, `AbortJob`,
+  `ClearSnapshots` (a `Command`), read by the thread between steps on either route
+  (`Runner._take_commands`, `batch_loop._apply`);
+- runner -> Trio, with `TrioToken.run_sync_soon`: one batch of `SequenceEvent`s a step, and the
+  value of an `Answer`;
+- `RunnerCounters`: written by the runner thread only, read by anyone (`Engine.get_stats`).
+
+Messages are frozen dataclasses; an `Answer` is resolved at most once, on the Trio thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from trio_mlx.engine.decode import GenerationJob
+from trio_mlx.types import FinishReason, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SequenceEvent:
+    """One request's share of a step."""
+
+    request_id: int
+    tokens: tuple[int, ...] = ()
+    finish: FinishReason | None = None
+    error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    #: Prompt tokens restored from the prefix cache rather than prefilled.
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StartJob:
+    """Start `job` (its sink is registered by `Runner.submit`)."""
+
+    job: GenerationJob
+
+
+@dataclass(frozen=True)
+class AbortJob:
+    """Stop `request_id` at the next step boundary (nothing if it has ended)."""
+
+    request_id: int
+    #: Snapshot the sequence if its prefill is complete (not when the engine is closing).
+    store: bool = True
+
+
+class Answer:
+    """A one-shot answer from the runner thread, resolved on the Trio thread."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.value: dict[str, Any] | None = None
+
+    def resolve(self, value: dict[str, Any] | None) -> None:
+        if not self.event.is_set():
+            self.value = value
+            self.event.set()
+
+
+@dataclass(frozen=True)
+class ClearSnapshots:
+    """Drop every snapshot, empty the book, free MLX's buffer cache; `reply` gets what was
+    freed."""
+
+    reply: Answer
+
+
+Command = StartJob | AbortJob | ClearSnapshots
+
+
+@dataclass
+class RunnerCounters:
+    """Written by the runner thread only; read by anyone (plain ints)."""
+
+    steps: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    started: int = 0
+    aborted: int = 0
+    failed: int = 0
+    busy_seconds: float = 0.0
+    live: int = 0
+    #: sequences in the decode batch / prefilling to join it (batched route)
+    decoding: int = 0
+    prefilling: int = 0
+    #: decode steps by batch size (batched route: rows in the step's forward pass)
+    batch_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: memory of the live sequences' KV caches (batched route; bytes)
+    kv_bytes: int = 0

@@ -1,0 +1,120 @@
+"""`BatchSequence`: one sequence of a `BatchDecoder` (`batch.py`), from its admission to its
+end. Runs on the runner thread only.
+
+It owns what is the sequence's own whatever its companions: its job, its `TokenSelector` (its
+own PRNG key), its logits processors and their token history, its grammar's matcher, its draft
+state once it has speculated, and where it has got to (`prompt_done`, the generated tokens fed
+and read, `pending`). While it waits to join the batch it prefills on a cache of its own,
+`prefill_chunk` by chunk (whole blocks of its `PrefillPlan`, cut at its store points when the
+model's cache cannot be cut back afterwards). The decoder owns the batch's cache and moves the
+sequence's in and out of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from trio_mlx.engine.decode import GenerationJob, LogitsProcessor, PrefillPlan
+from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.sampling import TokenSelector
+
+
+class BatchSequence:
+    """One sequence of a `BatchDecoder`: its job, sampler, processors and where it has got to.
+
+    `cache` is its own prompt cache while it prefills, None while it is a row of the batch, and
+    the cache extracted from the batch once it has left (finished or aborted), for a snapshot.
+    """
+
+    def __init__(
+        self,
+        job: GenerationJob,
+        model: Any,
+        *,
+        vocab_size: int,
+        plan: PrefillPlan,
+        max_kv_size: int | None,
+        cache: list[Any] | None,
+        cached_tokens: int,
+        split_at_store_points: bool,
+    ) -> None:
+        if not job.prompt_tokens:
+            raise ValueError("a generation needs at least one prompt token")
+        if cache is None:
+            cached_tokens = 0
+        self.job = job
+        self.request_id = job.request_id
+        self.cache: list[Any] | None = make_cache(model, max_kv_size) if cache is None else cache
+        self.cached_tokens = cached_tokens
+        self._plan = plan if cached_tokens % plan.block == 0 else PrefillPlan(plan.step)
+        self._split = split_at_store_points
+        last = len(job.prompt_tokens) - 1
+        self._store_points = sorted({p for p in job.store_points if cached_tokens < p <= last})
+        self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
+        self.prompt_done = cached_tokens
+        self.selector = TokenSelector(job.params, vocab_size, job.prompt_tokens)
+        self.processors: list[LogitsProcessor] = list(job.logits_processors)
+        self.grammar = job.grammar.matcher() if job.grammar is not None else None
+        self.history: Any = mx.array(job.prompt_tokens, dtype=mx.int32) if self.processors else None
+        self.fed_generated: list[int] = []
+        #: the row's next input when it is not yet fed (after a speculative step, or a step read
+        #: without a next one queued: `BatchDecoder.speculate`); the next queued step feeds it
+        self.pending: int | None = None
+        #: the draft model's cache, once this sequence has speculated (`speculative.py`)
+        self.draft: Any = None
+        self.generated = 0
+        self.finished = False
+        #: leaves the batch at the next step (finished, aborted or failed)
+        self.removed = False
+        #: a per-row failure (a processor or the sampler raised), reported at the next read
+        self.failure: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Every prompt token but the last is in the cache: it can join the batch."""
+        return self.prompt_done >= len(self.job.prompt_tokens) - 1
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prompt_done >= len(self.job.prompt_tokens)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy, no processors, no penalties, no grammar: chosen by the batch's argmax (bias
+        allowed)."""
+        return not self.processors and self.grammar is None and self.selector.batch_greedy
+
+    def fed_tokens(self) -> tuple[int, ...]:
+        """The tokens this sequence's cache holds at a call boundary, in order."""
+        return self.job.prompt_tokens[: self.prompt_done] + tuple(self.fed_generated)
+
+    def prefill_chunk(self, model: Any, limit: int) -> tuple[int, tuple[int, ...]]:
+        """Run one chunk of at most `limit` prompt tokens (whole blocks, the last padded and cut
+        back) on this sequence's own cache; return the tokens prefilled and the store points
+        reached. Raises whatever the model raises."""
+        assert self.cache is not None
+        remaining = len(self.job.prompt_tokens) - 1 - self.prompt_done
+        if remaining <= 0:
+            return 0, ()
+        block = self._plan.block
+        n = min(limit, self._plan.step, remaining)
+        if self._split and self._store_points:
+            n = min(n, self._store_points[0] - self.prompt_done)
+        if block > 1 and n >= block:
+            n -= n % block
+        chunk = self._prompt[self.prompt_done : self.prompt_done + n]
+        padding = -n % block
+        if padding:
+            chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], padding)])
+        model(chunk[None], cache=self.cache)
+        if padding:
+            for layer in self.cache:
+                layer.trim(padding)
+        mx.eval([c.state for c in self.cache])
+        self.prompt_done += n
+        reached = []
+        while self._store_points and self._store_points[0] <= self.prompt_done:
+            reached.append(self._store_points.pop(0))
+        return n, tuple(reached)
