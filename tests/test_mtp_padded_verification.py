@@ -1,0 +1,98 @@
+"""MTP verification through the padded pass (`engine/padded_attention.py`, on by default on MLX's
+CUDA backend), forced here on the CPU: it computes what the plain pass computes for both MTP
+families, DeepSeek-V3 (MLA attention, which takes its mask as a boolean condition: the additive
+mask it once got hid exactly the positions it should show) and GLM-4.5 MoE (ordinary attention,
+additive mask), and greedy MTP decoding through it is the plain greedy output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from tiny_mtp_model import FAMILIES, build_tiny_mtp_model
+from trio_mlx.engine.loading import LoadedModel, load_model
+from trio_mlx.engine.padded_attention import padded_forward, takes_boolean_mask
+from trio_mlx.engine.prompt_cache import make_cache
+
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    family = str(request.param)
+    path = build_tiny_mtp_model(tmp_path_factory.mktemp(family) / "m", family=family)
+    return family, load_model(path, mtp=True)
+
+
+def prefilled(model: Any, length: int) -> list[Any]:
+    cache = make_cache(model)
+    model(mx.arange(3, 3 + length)[None].astype(mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def test_the_mask_kind_follows_the_attention(loaded: Any) -> None:
+    family, model = loaded[0], loaded[1].model
+    assert takes_boolean_mask(model) is (family == "deepseek_v3")
+    assert takes_boolean_mask(model.model) is (family == "deepseek_v3")
+
+
+@pytest.mark.parametrize("length", [7, 300])  # within the first buffer, and past it
+def test_a_padded_pass_equals_the_plain_one(loaded: Any, length: int) -> None:
+    model = loaded[1].model
+    tokens = mx.array([[11, 12, 13, 14, 15]], dtype=mx.uint32)
+    plain = model(tokens, cache=prefilled(model, length))
+    padded = padded_forward(model, tokens, prefilled(model, length))
+    assert mx.allclose(plain, padded, atol=1e-4).item()
+    assert mx.array_equal(mx.argmax(plain, -1), mx.argmax(padded, -1)).item()
+
+
+def greedy_tokens(loaded: LoadedModel, *, pad_attention: bool) -> tuple[list[int], Any]:
+    from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+    from trio_mlx.engine.mtp import MtpDrafter
+    from trio_mlx.engine.speculative import Speculator
+    from trio_mlx.engine.speculative_sequence import SpeculativeSequence
+    from trio_mlx.types import SamplingParams
+
+    model = loaded.model
+    drafter = MtpDrafter(model)
+    speculator = Speculator(model, drafter, num_draft_tokens=3, pad_attention=pad_attention)
+    prompt = list(loaded.tokenizer.encode(PROMPT))
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    sequence = SpeculativeSequence(
+        speculator,
+        GenerationJob(request_id=1, prompt_tokens=tuple(prompt), params=params),
+        model,
+        frozenset(),  # no EOS: every run goes the whole 24 tokens
+        PrefillPlan(8),
+        vocab_size=49152,
+    )
+    tokens: list[int] = []
+    for _ in range(100):
+        if sequence.finished:
+            break
+        tokens.extend(sequence.step().tokens)
+    return tokens, speculator.counters
+
+
+def plain_greedy(loaded: LoadedModel, n: int) -> list[int]:
+    model = loaded.model
+    cache = make_cache(model)
+    tokens = list(loaded.tokenizer.encode(PROMPT))
+    logits = model(mx.array([tokens], dtype=mx.uint32), cache=cache)
+    out: list[int] = []
+    for _ in range(n):
+        token = int(mx.argmax(logits[0, -1]).item())
+        out.append(token)
+        logits = model(mx.array([[token]], dtype=mx.uint32), cache=cache)
+    return out
+
+
+def test_greedy_mtp_decoding_through_the_padded_pass_is_the_plain_output(loaded: Any) -> None:
+    model = loaded[1]
+    padded, counters = greedy_tokens(model, pad_attention=True)
+    unpadded, _ = greedy_tokens(model, pad_attention=False)
+    assert counters.steps > 0 and counters.drafted_tokens > 0
+    assert padded == unpadded == plain_greedy(model, 24)
