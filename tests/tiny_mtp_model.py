@@ -1,11 +1,12 @@
-"""Tiny randomly initialised MTP models (DeepSeek-V3, GLM-4.5 MoE) with the SmolLM2 tokenizer.
+"""Tiny randomly initialised MTP models (DeepSeek-V3, GLM-4.5 MoE, MiMo), SmolLM2's tokenizer.
 
 Like `tiny_model.py`, but the architecture is mlx-lm's `deepseek_v3` (MLA attention; a dense first
 layer and a small mixture of experts after it) or `glm4_moe` (grouped-query attention with q/k
 norms, biases and partial RoPE; the same dense-then-MoE layout), and the weights carry, as those
 checkpoints do, one multi-token-prediction layer under `model.layers.{num_hidden_layers}` (enorm,
 hnorm, eh_proj, a transformer block, shared_head.norm, and copies of the embedding and head),
-which mlx-lm's own loader would refuse (strict loading) and `engine/mtp.py` keeps.
+which mlx-lm's own loader would refuse (strict loading) and `engine/mtp.py` keeps; or mlx-lm's
+`mimo` (a dense Qwen2-style model) with MiMo's MTP layer under `model.mtp_layers.0`.
 """
 
 from __future__ import annotations
@@ -88,8 +89,26 @@ TINY_GLM4_MOE_MTP_CONFIG = {
     "eos_token_id": 2,
 }
 
+TINY_MIMO_MTP_CONFIG = {
+    "model_type": "mimo",
+    "architectures": ["MiMoForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 #: the families `build_tiny_mtp_model` builds: their config and mlx-lm module and decoder layer
-FAMILIES = ("deepseek_v3", "glm4_moe")
+FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
 
 
 def _family(name: str) -> tuple[dict[str, Any], Any, Any]:
@@ -101,12 +120,39 @@ def _family(name: str) -> tuple[dict[str, Any], Any, Any]:
         from mlx_lm.models import glm4_moe
 
         return TINY_GLM4_MOE_MTP_CONFIG, glm4_moe, glm4_moe.DecoderLayer
+    if name == "mimo":
+        from mlx_lm.models import mimo
+
+        return TINY_MIMO_MTP_CONFIG, mimo, mimo.TransformerBlock
     raise ValueError(f"no tiny MTP model of family {name!r} (have {', '.join(FAMILIES)})")
 
 
 def _scaled(params: dict[str, mx.array]) -> dict[str, mx.array]:
     # Larger than default init so that the logits are spread out and greedy choices are stable.
     return {k: v * 4.0 if v.ndim == 2 and "embed_q" not in k else v for k, v in params.items()}
+
+
+def _mimo_mtp_layer(args: Any, layer_class: Any, *, echo: bool) -> dict[str, mx.array]:
+    """MiMo's MTP layer as its checkpoints lay it out: under `model.mtp_layers.0`, a Qwen2-style
+    decoder layer's weights and its own norms and `input_proj` (over [hidden | embedding]).
+    `echo`: input_proj = [I | 0] and the block's output projections zero."""
+    prefix = "model.mtp_layers.0."
+    width = args.hidden_size
+    params = {
+        prefix + key: value
+        for key, value in _scaled(dict(tree_flatten(layer_class(args).parameters()))).items()
+    }
+    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        params[f"{prefix}{norm}.weight"] = mx.ones((width,))
+    params[prefix + "input_proj.weight"] = (
+        4.0 * mx.random.normal((width, 2 * width)) * ((2 * width) ** -0.5)
+    )
+    if echo:
+        eye = mx.concatenate([mx.eye(width), mx.zeros((width, width))], axis=1)
+        params[prefix + "input_proj.weight"] = eye
+        for part in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            params[prefix + part] = mx.zeros_like(params[prefix + part])
+    return params
 
 
 def _routed(params: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -150,7 +196,9 @@ def build_tiny_mtp_model(
             if key.endswith(("o_proj.weight", "down_proj.weight")):
                 params[key] = mx.zeros_like(params[key])
         params["lm_head.weight"] = params["model.embed_tokens.weight"]
-    if with_mtp:
+    if with_mtp and family == "mimo":
+        params.update(_mimo_mtp_layer(args, layer_class, echo=echo))
+    elif with_mtp:
         n = args.num_hidden_layers
         block = layer_class(args, n)
         prefix = f"model.layers.{n}."

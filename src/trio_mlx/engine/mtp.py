@@ -7,8 +7,12 @@ subclass of mlx-lm's own) whose `sanitize` keeps those weights, as `mtp.*`; mlx-
 touched. Supported: `deepseek_v3` (here; and configs that map onto it, e.g. Kimi-K2) and
 `glm4_moe` (GLM-4.5 / 4.6, `mtp_glm4_moe.py`): both lay the layer out the same way, so the module
 (`NextnMtp`, around the family's own decoder layer), the weight split (`keep_nextn_layer`) and the
-drafter are shared, and a family module holds only its model class. A model of another
-architecture, or one whose weights carry no MTP layer, is refused (`ModelLoadError`).
+drafter are shared, and a family module holds only its model class; and `mimo` (MiMo-7B,
+`mtp_mimo.py`), whose layers under `model.mtp_layers.*` differ in names and order but not in kind.
+A model of another architecture, or one whose weights carry no MTP layer, is refused
+(`ModelLoadError`). What `MtpDrafter` needs of a family's module (`model.mtp`): `__call__(
+embeddings, hidden, cache)`, the output at each position (the next chained input), and
+`head_input(out)`, what the model's head (`output_head`) takes from it.
 
 The module, at sequence position p: x = eh_proj(concat(enorm(embed(t_p)), hnorm(h_(p-1)))), one
 transformer block (with its own KV cache), and the shared head lm_head(norm(.)) predicts t_(p+1).
@@ -36,7 +40,7 @@ import importlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 from mlx.nn import Linear, Module, RMSNorm  # type: ignore[attr-defined]
@@ -79,6 +83,11 @@ class NextnMtp(Module):  # type: ignore[misc]
         out: mx.array = self.block(x, mask, cache)
         return out
 
+    def head_input(self, out: mx.array) -> mx.array:
+        """What the model's head takes from the module's output `out` (the shared head's norm)."""
+        normed: mx.array = self.norm(out)
+        return normed
+
 
 class HiddenCapture:
     """While `on`, the model's calls leave their last hidden states (B, N, D) in `hidden`.
@@ -91,14 +100,21 @@ class HiddenCapture:
         self.hidden: Any = None
 
 
+def output_head(model: Any) -> Callable[[mx.array], mx.array]:
+    """`model`'s head: its `lm_head`, or its embedding's transpose when the two are tied."""
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        return cast(Callable[[mx.array], mx.array], head)
+    return cast(Callable[[mx.array], mx.array], model.model.embed_tokens.as_linear)
+
+
 def forward_capturing(model: Any, inputs: mx.array, cache: Any) -> mx.array:
-    """`model`'s logits over `inputs` (its `model` trunk, then `lm_head`), leaving the trunk's
+    """`model`'s logits over `inputs` (its `model` trunk, then its head), leaving the trunk's
     hidden states in `model.hidden_capture` while it is on: the `__call__` of the MTP classes."""
     hidden = model.model(inputs, cache)
     if model.hidden_capture.on:
         model.hidden_capture.hidden = hidden
-    logits: mx.array = model.lm_head(hidden)
-    return logits
+    return output_head(model)(hidden)
 
 
 def keep_nextn_layer(
@@ -170,6 +186,7 @@ def _layer_index(key: str) -> int:
 _MTP_CLASSES: dict[str, tuple[str, str]] = {
     "deepseek_v3": (__name__, "DeepseekV3WithMtp"),
     "glm4_moe": ("trio_mlx.engine.mtp_glm4_moe", "Glm4MoeWithMtp"),
+    "mimo": ("trio_mlx.engine.mtp_mimo", "MimoWithMtp"),
 }
 
 
@@ -243,6 +260,7 @@ class MtpDrafter:
             raise ValueError("the model has no MTP module (load it with load_mtp_model)")
         self._model = model
         self._mtp = model.mtp
+        self._head = output_head(model)
 
     def open(self) -> MtpState:
         return MtpState()
@@ -292,7 +310,7 @@ class MtpDrafter:
         return state.hidden_at + int(state.hidden.shape[0]) == len(history), 0
 
     def _logits(self, out: mx.array) -> mx.array:
-        logits: mx.array = self._model.lm_head(self._mtp.norm(out[:, -1:, :]))[:, -1, :]
+        logits: mx.array = self._head(self._mtp.head_input(out[:, -1:, :]))[:, -1, :]
         return logits
 
     def start(self, state: MtpState, history: Sequence[int], pending: int) -> mx.array:
@@ -321,7 +339,7 @@ class MtpDrafter:
         states (k + 1, D), the trunk run through `forward` (on CUDA the padded pass,
         `padded_attention`, with the mask kind the family's attention takes)."""
         hidden = forward(self._model.model, tokens, cache)
-        return self._model.lm_head(hidden)[0], hidden[0]
+        return self._head(hidden)[0], hidden[0]
 
     def settle(
         self, state: MtpState, history: Sequence[int], fed: int, extra: mx.array | None
