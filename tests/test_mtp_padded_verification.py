@@ -1,4 +1,4 @@
-"""MTP verification through the padded pass (`engine/padded_attention.py`, on by default on MLX's
+"""Speculative verification (MTP, and a draft model) through the padded pass (`engine/padded_attention.py`, on by default on MLX's
 CUDA backend), forced here on the CPU: it computes what the plain pass computes for both MTP
 families, DeepSeek-V3 (MLA attention, which takes its mask as a boolean condition: the additive
 mask it once got hid exactly the positions it should show) and GLM-4.5 MoE (ordinary attention,
@@ -96,3 +96,51 @@ def test_greedy_mtp_decoding_through_the_padded_pass_is_the_plain_output(loaded:
     unpadded, _ = greedy_tokens(model, pad_attention=False)
     assert counters.steps > 0 and counters.drafted_tokens > 0
     assert padded == unpadded == plain_greedy(model, 24)
+
+
+def test_a_padded_pass_over_a_batch_cache_equals_the_plain_one(loaded: Any) -> None:
+    """The boolean mask (MLA) and the additive one both hide each row's left padding."""
+    model = loaded[1].model
+    rows = [prefilled(model, 9), prefilled(model, 40)]
+    merged = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    again = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    tokens = mx.array([[5, 6, 7], [8, 9, 10]], dtype=mx.uint32)
+    plain = model(tokens, cache=merged)
+    padded = padded_forward(model, tokens, again)
+    assert mx.allclose(plain, padded, atol=1e-4).item()
+
+
+def test_a_draft_model_speculating_through_the_padded_pass_keeps_the_greedy_output(
+    loaded: Any,
+) -> None:
+    """The same fix serves draft-model speculation (`speculative.ModelDrafter`, whose
+    verification and multi-token draft passes are padded too): the model drafting for itself."""
+    from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+    from trio_mlx.engine.speculative import Speculator
+    from trio_mlx.engine.speculative_sequence import SpeculativeSequence
+    from trio_mlx.types import SamplingParams
+
+    target = loaded[1]
+    speculator = Speculator(target.model, target.model, num_draft_tokens=3, pad_attention=True)
+    prompt = tuple(target.tokenizer.encode(PROMPT))
+    sequence = SpeculativeSequence(
+        speculator,
+        GenerationJob(
+            request_id=1,
+            prompt_tokens=prompt,
+            params=SamplingParams(max_tokens=24, temperature=0.0),
+        ),
+        target.model,
+        frozenset(),
+        PrefillPlan(8),
+        vocab_size=49152,
+    )
+    tokens: list[int] = []
+    for _ in range(100):
+        if sequence.finished:
+            break
+        tokens.extend(sequence.step().tokens)
+    counters = speculator.counters
+    assert counters.drafted_tokens > 0
+    assert counters.accepted_tokens == counters.drafted_tokens  # a self-draft is always right
+    assert tokens == plain_greedy(target, 24)
