@@ -1,8 +1,9 @@
-"""Speculative verification (MTP, and a draft model) through the padded pass (`engine/padded_attention.py`, on by default on MLX's
-CUDA backend), forced here on the CPU: it computes what the plain pass computes for both MTP
-families, DeepSeek-V3 (MLA attention, which takes its mask as a boolean condition: the additive
-mask it once got hid exactly the positions it should show) and GLM-4.5 MoE (ordinary attention,
-additive mask), and greedy MTP decoding through it is the plain greedy output."""
+"""Speculative verification (MTP, and a draft model) through the padded pass
+(`engine/padded_attention.py`, on by default on MLX's CUDA backend), forced here on the CPU: for
+the three MTP families it computes what the plain pass computes: DeepSeek-V3 (MLA attention,
+which takes its mask as a boolean condition: the additive mask it once got hid exactly the
+positions it should show), GLM-4.5 MoE and MiMo (ordinary attention, additive mask); and greedy
+decoding through it, with the MTP layer or a draft model, is the plain greedy output."""
 
 from __future__ import annotations
 
