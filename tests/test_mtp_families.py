@@ -1,6 +1,7 @@
 """Native MTP speculative decoding for the families beside DeepSeek-V3, on tiny random models:
 GLM-4.5 MoE (`engine/mtp_glm4_moe.py`: mlx-lm's `glm4_moe`, its MTP layer under
-`model.layers.{num_hidden_layers}`) and MiMo (`engine/mtp_mimo.py`: mlx-lm's `mimo`, under
+`model.layers.{num_hidden_layers}`), GLM-4.7-Flash (`engine/mtp_glm4_moe_lite.py`: the same layout
+around an MLA layer) and MiMo (`engine/mtp_mimo.py`: mlx-lm's `mimo`, under
 `model.mtp_layers.0`).
 
 The same contract as DeepSeek-V3's (`test_mtp.py`): greedy output with `mtp=True` is the output of
@@ -25,9 +26,13 @@ from servers import eventually
 from tiny_mtp_model import build_tiny_mtp_model
 from trio_mlx.errors import ModelLoadError
 
-FAMILIES = ["glm4_moe", "mimo"]
+FAMILIES = ["glm4_moe", "glm4_moe_lite", "mimo"]
 #: where each family's checkpoints keep the (first) MTP layer
-MTP_PREFIX = {"glm4_moe": "model.layers.2.", "mimo": "model.mtp_layers.0."}
+MTP_PREFIX = {
+    "glm4_moe": "model.layers.2.",
+    "glm4_moe_lite": "model.layers.2.",
+    "mimo": "model.mtp_layers.0.",
+}
 PROMPTS = [
     "Hello there, how",
     "The quick brown fox jumps over the lazy dog because",
@@ -155,8 +160,10 @@ def test_the_mtp_layer_is_loaded_as_saved(family: str, mtp_dir: Path) -> None:
     assert isinstance(saved, dict)
     loaded = dict(tree_flatten(model.mtp.parameters()))
     prefix = MTP_PREFIX[family]
+    nextn = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head": ""}
     own = {
-        "glm4_moe": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head": ""},
+        "glm4_moe": nextn,
+        "glm4_moe_lite": nextn,
         "mimo": {
             n: n for n in ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")
         },

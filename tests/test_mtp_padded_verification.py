@@ -1,8 +1,8 @@
 """Speculative verification (MTP, and a draft model) through the padded pass
 (`engine/padded_attention.py`, on by default on MLX's CUDA backend), forced here on the CPU: for
-the three MTP families it computes what the plain pass computes: DeepSeek-V3 (MLA attention,
-which takes its mask as a boolean condition: the additive mask it once got hid exactly the
-positions it should show), GLM-4.5 MoE and MiMo (ordinary attention, additive mask); and greedy
+every MTP family it computes what the plain pass computes: DeepSeek-V3 and GLM-4.7-Flash (MLA
+attention, which takes its mask as a boolean condition: the additive mask it once got hid exactly
+the positions it should show), GLM-4.5 MoE and MiMo (ordinary attention, additive mask); and greedy
 decoding through it, with the MTP layer or a draft model, is the plain greedy output."""
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def prefilled(model: Any, length: int) -> list[Any]:
 
 def test_the_mask_kind_follows_the_attention(loaded: Any) -> None:
     family, model = loaded[0], loaded[1].model
-    assert takes_boolean_mask(model) is (family == "deepseek_v3")
-    assert takes_boolean_mask(model.model) is (family == "deepseek_v3")
+    mla = family in ("deepseek_v3", "glm4_moe_lite")
+    assert takes_boolean_mask(model) is mla
+    assert takes_boolean_mask(model.model) is mla
 
 
 @pytest.mark.parametrize("length", [7, 300])  # within the first buffer, and past it

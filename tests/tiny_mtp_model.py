@@ -1,8 +1,9 @@
-"""Tiny randomly initialised MTP models (DeepSeek-V3, GLM-4.5 MoE, MiMo), SmolLM2's tokenizer.
+"""Tiny random MTP models (DeepSeek-V3, GLM-4.5 MoE, GLM-4.7-Flash, MiMo), SmolLM2's tokenizer.
 
 Like `tiny_model.py`, but the architecture is mlx-lm's `deepseek_v3` (MLA attention; a dense first
-layer and a small mixture of experts after it) or `glm4_moe` (grouped-query attention with q/k
-norms, biases and partial RoPE; the same dense-then-MoE layout), and the weights carry, as those
+layer and a small mixture of experts after it), `glm4_moe_lite` (the same kind: MLA, dense then
+MoE) or `glm4_moe` (grouped-query attention with q/k norms, biases and partial RoPE; the same
+dense-then-MoE layout), and the weights carry, as those
 checkpoints do, one multi-token-prediction layer under `model.layers.{num_hidden_layers}` (enorm,
 hnorm, eh_proj, a transformer block, shared_head.norm, and copies of the embedding and head),
 which mlx-lm's own loader would refuse (strict loading) and `engine/mtp.py` keeps; or mlx-lm's
@@ -107,8 +108,16 @@ TINY_MIMO_MTP_CONFIG = {
     "eos_token_id": 2,
 }
 
+TINY_GLM4_MOE_LITE_MTP_CONFIG = {
+    **{k: v for k, v in TINY_MTP_CONFIG.items() if k not in ("architectures",)},
+    "model_type": "glm4_moe_lite",
+    "architectures": ["Glm4MoeLiteForCausalLM"],
+    "q_lora_rank": 32,
+    "rms_norm_eps": 1e-5,
+}
+
 #: the families `build_tiny_mtp_model` builds: their config and mlx-lm module and decoder layer
-FAMILIES = ("deepseek_v3", "glm4_moe", "mimo")
+FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "mimo")
 
 
 def _family(name: str) -> tuple[dict[str, Any], Any, Any]:
@@ -120,6 +129,11 @@ def _family(name: str) -> tuple[dict[str, Any], Any, Any]:
         from mlx_lm.models import glm4_moe
 
         return TINY_GLM4_MOE_MTP_CONFIG, glm4_moe, glm4_moe.DecoderLayer
+    if name == "glm4_moe_lite":
+        from mlx_lm.models import glm4_moe_lite
+
+        config = TINY_GLM4_MOE_LITE_MTP_CONFIG
+        return config, glm4_moe_lite, glm4_moe_lite.Glm4MoeLiteDecoderLayer
     if name == "mimo":
         from mlx_lm.models import mimo
 

@@ -5,7 +5,8 @@ in the config, weights under `model.layers.{num_hidden_layers}`) that mlx-lm's `
 `load_mtp_model` loads such a model through mlx-lm with a model class of ours (`_MTP_CLASSES`, a
 subclass of mlx-lm's own) whose `sanitize` keeps those weights, as `mtp.*`; mlx-lm's files are not
 touched. Supported: `deepseek_v3` (here; and configs that map onto it, e.g. Kimi-K2) and
-`glm4_moe` (GLM-4.5 / 4.6, `mtp_glm4_moe.py`): both lay the layer out the same way, so the module
+`glm4_moe` (GLM-4.5 / 4.6, `mtp_glm4_moe.py`) and `glm4_moe_lite` (GLM-4.7-Flash,
+`mtp_glm4_moe_lite.py`): all three lay the layer out the same way, so the module
 (`NextnMtp`, around the family's own decoder layer), the weight split (`keep_nextn_layer`) and the
 drafter are shared, and a family module holds only its model class; and `mimo` (MiMo-7B,
 `mtp_mimo.py`), whose layers under `model.mtp_layers.*` differ in names and order but not in kind.
@@ -186,6 +187,7 @@ def _layer_index(key: str) -> int:
 _MTP_CLASSES: dict[str, tuple[str, str]] = {
     "deepseek_v3": (__name__, "DeepseekV3WithMtp"),
     "glm4_moe": ("trio_mlx.engine.mtp_glm4_moe", "Glm4MoeWithMtp"),
+    "glm4_moe_lite": ("trio_mlx.engine.mtp_glm4_moe_lite", "Glm4MoeLiteWithMtp"),
     "mimo": ("trio_mlx.engine.mtp_mimo", "MimoWithMtp"),
 }
 
