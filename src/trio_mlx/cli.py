@@ -276,8 +276,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--mtp",
         action="store_true",
         help="native multi-token prediction: the model's own MTP head drafts tokens for it to "
-        "verify (DeepSeek-V3-style checkpoints with MTP weights; lossless; only while one "
-        "request decodes; refused for a model without MTP weights)",
+        "verify (DeepSeek-V3, GLM-4.5/4.6/4.7-Flash and MiMo checkpoints with MTP weights; "
+        "lossless; only while one request decodes; refused for a model without MTP weights)",
     )
     parser.add_argument(
         "--mtp-num-draft-tokens",

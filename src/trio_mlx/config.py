@@ -64,12 +64,13 @@ class EngineConfig:
       (speculative decoding, lossless: `engine/speculative.py`). On the batched route it drafts
       only while one sequence decodes. Cannot be combined with `max_kv_size` (a rotating cache
       cannot be cut back after a refused draft). None: no draft.
-    - `mtp`: native multi-token prediction: the model's own MTP head (DeepSeek-V3-style
-      checkpoints that carry `num_nextn_predict_layers` weights, which mlx-lm drops and this
-      engine keeps: `engine/mtp.py`) drafts `mtp_num_draft_tokens` tokens per step for the model
-      to verify, with the same lossless acceptance as `draft_model`. Refused at start-up for a
-      model without MTP weights; not with `draft_model` or `max_kv_size`. On the batched route
-      it drafts only while one sequence decodes (several decode plainly).
+    - `mtp`: native multi-token prediction: the model's own MTP head (checkpoints of DeepSeek-V3,
+      GLM-4.5/4.6 MoE, GLM-4.7-Flash or MiMo that carry `num_nextn_predict_layers` weights,
+      which mlx-lm drops and this engine keeps: `engine/mtp.py`) drafts `mtp_num_draft_tokens`
+      tokens per step for the model to verify, with the same lossless acceptance as
+      `draft_model`. Refused at start-up for a model without MTP weights; not with `draft_model`
+      or `max_kv_size`. On the batched route it drafts only while one sequence decodes (several
+      decode plainly).
     - `specprefill_enabled`: SpecPrefill (`engine/specprefill.py`, approximate): a prompt of at
       least `specprefill_threshold` tokens is scored by the attention of a small model
       (`specprefill_draft_model`, else `draft_model`: one is needed) and the target prefills only

@@ -4,8 +4,16 @@ Some checkpoints carry, beside the model, a DeepSeek-V3-style MTP module (`num_n
 in the config, weights under `model.layers.{num_hidden_layers}`) that mlx-lm's `sanitize` drops.
 `load_mtp_model` loads such a model through mlx-lm with a model class of ours (`_MTP_CLASSES`, a
 subclass of mlx-lm's own) whose `sanitize` keeps those weights, as `mtp.*`; mlx-lm's files are not
-touched. Supported: `deepseek_v3` (and configs that map onto it, e.g. Kimi-K2). A model of another
-architecture, or one whose weights carry no MTP layer, is refused (`ModelLoadError`).
+touched. Supported: `deepseek_v3` (here; and configs that map onto it, e.g. Kimi-K2) and
+`glm4_moe` (GLM-4.5 / 4.6, `mtp_glm4_moe.py`) and `glm4_moe_lite` (GLM-4.7-Flash,
+`mtp_glm4_moe_lite.py`): all three lay the layer out the same way, so the module
+(`NextnMtp`, around the family's own decoder layer), the weight split (`keep_nextn_layer`) and the
+drafter are shared, and a family module holds only its model class; and `mimo` (MiMo-7B,
+`mtp_mimo.py`), whose layers under `model.mtp_layers.*` differ in names and order but not in kind.
+A model of another architecture, or one whose weights carry no MTP layer, is refused
+(`ModelLoadError`). What `MtpDrafter` needs of a family's module (`model.mtp`): `__call__(
+embeddings, hidden, cache)`, the output at each position (the next chained input), and
+`head_input(out)`, what the model's head (`output_head`) takes from it.
 
 The module, at sequence position p: x = eh_proj(concat(enorm(embed(t_p)), hnorm(h_(p-1)))), one
 transformer block (with its own KV cache), and the shared head lm_head(norm(.)) predicts t_(p+1).
@@ -29,10 +37,11 @@ never the output: verification is the target's, with the same acceptance code as
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 from mlx.nn import Linear, Module, RMSNorm  # type: ignore[attr-defined]
@@ -56,23 +65,29 @@ _HEAD_PARTS: dict[str, str | None] = {
 }
 
 
-class DeepseekV3Mtp(Module):  # type: ignore[misc]
-    """The DeepSeek-V3 MTP module (see the module docstring); `__call__` returns the block's
-    output (before `norm`), `logits` the shared head's."""
+class NextnMtp(Module):  # type: ignore[misc]
+    """A DeepSeek-V3-style MTP module around a family's own transformer `block` (see the module
+    docstring); `__call__` returns the block's output (before `norm`), `logits` the shared
+    head's. `block(x, mask, cache)` is one decoder layer of the family."""
 
-    def __init__(self, args: deepseek_v3.ModelArgs) -> None:
+    def __init__(self, width: int, eps: float, block: Module) -> None:
         super().__init__()
-        width = args.hidden_size
-        self.enorm = RMSNorm(width, eps=args.rms_norm_eps)
-        self.hnorm = RMSNorm(width, eps=args.rms_norm_eps)
+        self.enorm = RMSNorm(width, eps=eps)
+        self.hnorm = RMSNorm(width, eps=eps)
         self.eh_proj = Linear(2 * width, width, bias=False)
-        self.block = deepseek_v3.DeepseekV3DecoderLayer(args, args.num_hidden_layers)
-        self.norm = RMSNorm(width, eps=args.rms_norm_eps)
+        self.block = block
+        self.norm = RMSNorm(width, eps=eps)
 
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: KVCache) -> mx.array:
         x = self.eh_proj(mx.concatenate([self.enorm(embeddings), self.hnorm(hidden)], axis=-1))
         mask = create_attention_mask(x, cache, return_array=True)
-        return self.block(x, mask, cache)
+        out: mx.array = self.block(x, mask, cache)
+        return out
+
+    def head_input(self, out: mx.array) -> mx.array:
+        """What the model's head takes from the module's output `out` (the shared head's norm)."""
+        normed: mx.array = self.norm(out)
+        return normed
 
 
 class HiddenCapture:
@@ -86,53 +101,78 @@ class HiddenCapture:
         self.hidden: Any = None
 
 
+def output_head(model: Any) -> Callable[[mx.array], mx.array]:
+    """`model`'s head: its `lm_head`, or its embedding's transpose when the two are tied."""
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        return cast(Callable[[mx.array], mx.array], head)
+    return cast(Callable[[mx.array], mx.array], model.model.embed_tokens.as_linear)
+
+
+def forward_capturing(model: Any, inputs: mx.array, cache: Any) -> mx.array:
+    """`model`'s logits over `inputs` (its `model` trunk, then its head), leaving the trunk's
+    hidden states in `model.hidden_capture` while it is on: the `__call__` of the MTP classes."""
+    hidden = model.model(inputs, cache)
+    if model.hidden_capture.on:
+        model.hidden_capture.hidden = hidden
+    return output_head(model)(hidden)
+
+
+def keep_nextn_layer(
+    weights: dict[str, Any],
+    first: int,
+    sanitize: Callable[[dict[str, Any]], dict[str, Any]],
+) -> dict[str, Any]:
+    """The checkpoint's `weights` sanitized by the family's own `sanitize`, plus its first MTP
+    layer (`model.layers.{first}.*`, `first` = num_hidden_layers) as `mtp.*` for a `NextnMtp`
+    (further MTP depths are dropped: only the first is used). The block goes through `sanitize`
+    as a layer 0 (expert stacking, MLA projections, fp8 / int4 weights), the head parts beside
+    it under a name `sanitize` leaves alone. Raises `ModelLoadError` when there is no such
+    layer."""
+    own = f"model.layers.{first}."
+    mtp_raw: dict[str, Any] = {}
+    for key in list(weights):
+        if key.startswith(own):
+            mtp_raw[key[len(own) :]] = weights.pop(key)
+        elif _layer_index(key) > first:
+            weights.pop(key)
+    if not mtp_raw:
+        raise ModelLoadError(
+            f"--mtp: the checkpoint carries no MTP layer (no model.layers.{first}.* weights)"
+        )
+    staged: dict[str, Any] = {}
+    for key, value in mtp_raw.items():
+        head = next((p for p in _HEAD_PARTS if key.startswith(p)), None)
+        if head is None:
+            staged[f"model.layers.0.{key}"] = value
+        elif _HEAD_PARTS[head] is not None:
+            staged[f"mtp_head.{key}"] = value
+    sanitized = sanitize(staged)
+    out = dict(sanitize(weights))
+    for key, value in sanitized.items():
+        if key.startswith("model.layers.0."):
+            out["mtp.block." + key[len("model.layers.0.") :]] = value
+        else:
+            rest = key[len("mtp_head.") :]
+            head = next(p for p in _HEAD_PARTS if rest.startswith(p))
+            out["mtp." + str(_HEAD_PARTS[head]) + rest[len(head) :]] = value
+    return out
+
+
 class DeepseekV3WithMtp(deepseek_v3.Model):
     """mlx-lm's DeepSeek-V3 model plus its MTP module (`mtp`), whose weights `sanitize` keeps."""
 
     def __init__(self, config: deepseek_v3.ModelArgs) -> None:
         super().__init__(config)
-        self.mtp = DeepseekV3Mtp(config)
+        block = deepseek_v3.DeepseekV3DecoderLayer(config, config.num_hidden_layers)
+        self.mtp = NextnMtp(config.hidden_size, config.rms_norm_eps, block)
         self.hidden_capture = HiddenCapture()
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        hidden = self.model(inputs, cache)
-        if self.hidden_capture.on:
-            self.hidden_capture.hidden = hidden
-        logits: mx.array = self.lm_head(hidden)
-        return logits
+        return forward_capturing(self, inputs, cache)
 
     def sanitize(self, weights: dict[str, Any]) -> dict[str, Any]:
-        first = self.args.num_hidden_layers
-        own = f"model.layers.{first}."
-        mtp_raw: dict[str, Any] = {}
-        for key in list(weights):
-            if key.startswith(own):
-                mtp_raw[key[len(own) :]] = weights.pop(key)
-            elif _layer_index(key) > first:  # further MTP depths: only the first is used
-                weights.pop(key)
-        if not mtp_raw:
-            raise ModelLoadError(
-                f"--mtp: the checkpoint carries no MTP layer (no model.layers.{first}.* weights)"
-            )
-        # The block goes through mlx-lm's own sanitize as a layer 0 (expert stacking, MLA
-        # projections, fp8 / int4 weights), the head parts beside it under a name it leaves alone.
-        staged: dict[str, Any] = {}
-        for key, value in mtp_raw.items():
-            head = next((p for p in _HEAD_PARTS if key.startswith(p)), None)
-            if head is None:
-                staged[f"model.layers.0.{key}"] = value
-            elif _HEAD_PARTS[head] is not None:
-                staged[f"mtp_head.{key}"] = value
-        sanitized = super().sanitize(staged)
-        out = super().sanitize(weights)
-        for key, value in sanitized.items():
-            if key.startswith("model.layers.0."):
-                out["mtp.block." + key[len("model.layers.0.") :]] = value
-            else:
-                rest = key[len("mtp_head.") :]
-                head = next(p for p in _HEAD_PARTS if rest.startswith(p))
-                out["mtp." + str(_HEAD_PARTS[head]) + rest[len(head) :]] = value
-        return dict(out)
+        return keep_nextn_layer(weights, self.args.num_hidden_layers, super().sanitize)
 
 
 def _layer_index(key: str) -> int:
@@ -142,13 +182,25 @@ def _layer_index(key: str) -> int:
     return int(part) if part.isdigit() else -1
 
 
-#: model_type -> our model class carrying the MTP module
-_MTP_CLASSES: dict[str, type[Module]] = {"deepseek_v3": DeepseekV3WithMtp}
+#: model_type -> (module, class) of our model class carrying the MTP module: one module a family
+#: beside this one (imported when asked for), sharing `NextnMtp` and `keep_nextn_layer`
+_MTP_CLASSES: dict[str, tuple[str, str]] = {
+    "deepseek_v3": (__name__, "DeepseekV3WithMtp"),
+    "glm4_moe": ("trio_mlx.engine.mtp_glm4_moe", "Glm4MoeWithMtp"),
+    "glm4_moe_lite": ("trio_mlx.engine.mtp_glm4_moe_lite", "Glm4MoeLiteWithMtp"),
+    "mimo": ("trio_mlx.engine.mtp_mimo", "MimoWithMtp"),
+}
 
 
 def mtp_architectures() -> tuple[str, ...]:
     """The model types `--mtp` supports."""
     return tuple(sorted(_MTP_CLASSES))
+
+
+def _mtp_class(model_type: str) -> type[Module]:
+    module_name, class_name = _MTP_CLASSES[model_type]
+    cls: type[Module] = getattr(importlib.import_module(module_name), class_name)
+    return cls
 
 
 def load_mtp_model(path: Path) -> tuple[Module, dict[str, Any]]:
@@ -177,7 +229,7 @@ def load_mtp_model(path: Path) -> tuple[Module, dict[str, Any]]:
 
     def classes(config: dict[str, Any]) -> tuple[type[Module], type]:
         _model_class, args_class = _get_classes(config)
-        return _MTP_CLASSES[model_type], args_class
+        return _mtp_class(model_type), args_class
 
     try:
         model, loaded_config = load_model(path, get_model_classes=classes)
@@ -210,6 +262,7 @@ class MtpDrafter:
             raise ValueError("the model has no MTP module (load it with load_mtp_model)")
         self._model = model
         self._mtp = model.mtp
+        self._head = output_head(model)
 
     def open(self) -> MtpState:
         return MtpState()
@@ -259,7 +312,7 @@ class MtpDrafter:
         return state.hidden_at + int(state.hidden.shape[0]) == len(history), 0
 
     def _logits(self, out: mx.array) -> mx.array:
-        logits: mx.array = self._model.lm_head(self._mtp.norm(out[:, -1:, :]))[:, -1, :]
+        logits: mx.array = self._head(self._mtp.head_input(out[:, -1:, :]))[:, -1, :]
         return logits
 
     def start(self, state: MtpState, history: Sequence[int], pending: int) -> mx.array:
@@ -285,12 +338,10 @@ class MtpDrafter:
         self, forward: Callable[[Any, Any, list[Any]], Any], tokens: mx.array, cache: list[Any]
     ) -> tuple[mx.array, mx.array]:
         """The target's pass over `tokens` (shape (1, k + 1)): its logits (k + 1, V) and hidden
-        states (k + 1, D). Always the plain pass, never `forward`'s padded one
-        (`padded_attention`): DeepSeek-V3's MLA attention takes a boolean mask, which the padded
-        views' additive mask is not."""
-        del forward
-        hidden = self._model.model(tokens, cache=cache)
-        return self._model.lm_head(hidden)[0], hidden[0]
+        states (k + 1, D), the trunk run through `forward` (on CUDA the padded pass,
+        `padded_attention`, with the mask kind the family's attention takes)."""
+        hidden = forward(self._model.model, tokens, cache)
+        return self._head(hidden)[0], hidden[0]
 
     def settle(
         self, state: MtpState, history: Sequence[int], fed: int, extra: mx.array | None

@@ -9,6 +9,11 @@ step. `padded_forward` runs such a pass with the attention over the cache's whol
 size changes only when the cache grows, by 256 positions) and an additive mask that hides the
 positions past each query: the same attention, and one graph per buffer size.
 
+The mask is additive (0 / -inf) for attention that adds it to its scores, and boolean (True: seen)
+for the multi-head latent attention (MLA) of DeepSeek-V3 and its kin (layers with a
+`kv_a_proj_with_mqa`), which takes its mask as the condition of an `mx.where`: an additive mask
+there would hide exactly the positions it should show (`takes_boolean_mask`).
+
 It wraps each layer of a plain `KVCache` or a `BatchKVCache` in a view for that one call; any
 other cache (rotating, quantized, recurrent) runs the ordinary pass.
 """
@@ -30,15 +35,24 @@ def padded_forward(model: Any, tokens: Any, cache: list[Any]) -> Any:
     """`model(tokens, cache=cache)` (tokens of shape (B, N)), with every attention over the
     cache's whole buffer (see the module). The cache is updated exactly as by the plain call."""
     n = int(tokens.shape[1])
-    views = _views(cache, n) if n > 1 else None
+    views = _views(cache, n, boolean=takes_boolean_mask(model)) if n > 1 else None
     return model(tokens, cache=cache if views is None else views)
+
+
+def takes_boolean_mask(model: Any) -> bool:
+    """Whether `model` (an mlx-lm model or its trunk) needs a boolean attention mask: its first
+    layer's attention is MLA (see the module)."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return False
+    return hasattr(getattr(layers[0], "self_attn", None), "kv_a_proj_with_mqa")
 
 
 def _write_index(layer: Any) -> int:
     return int(layer._idx) if type(layer) is BatchKVCache else int(layer.offset)
 
 
-def _views(cache: list[Any], n: int) -> list[Any] | None:
+def _views(cache: list[Any], n: int, *, boolean: bool = False) -> list[Any] | None:
     if not cache or any(type(c) not in (KVCache, BatchKVCache) or c.keys is None for c in cache):
         return None
     start = _write_index(cache[0])
@@ -55,6 +69,8 @@ def _views(cache: list[Any], n: int) -> list[Any] | None:
     first = cache[0]
     if type(first) is BatchKVCache:
         visible = visible[None, None] & (first.left_padding[:, None, None, None] <= columns)
+    if boolean:
+        return [_PaddedView(layer, width, visible) for layer in cache]
     dtype = first.keys.dtype
     mask = mx.where(visible, mx.array(0.0, dtype=dtype), mx.array(float("-inf"), dtype=dtype))
     return [_PaddedView(layer, width, mask) for layer in cache]
