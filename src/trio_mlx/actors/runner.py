@@ -19,13 +19,15 @@ Protocol:
   gone makes that request abort at the next step boundary.
 
 Two routes, chosen once the model is loaded:
-- serialized (`max_num_seqs == 1`, a model whose cache cannot be batched, or a vision-language
-  model: its requests with media carry per-request prompt embeddings and positions that the
-  batched step does not take): a step is one prefill chunk or one decode token of the live
-  sequence (`decode.ActiveSequence`), or the vision encoding of a request with media
-  (`multimodal.job.MultimodalSequence`, whose first step it is);
+- serialized (`max_num_seqs == 1`, or a model whose cache cannot be batched): a step is one
+  prefill chunk or one decode token of each live sequence (`decode.ActiveSequence`), or the
+  vision encoding of a request with media (`multimodal.job.MultimodalSequence`, whose first
+  step it is);
 - batched (`max_num_seqs > 1`): `batch_loop.serve_batched`, one decode step over every running
-  sequence plus a prefill chunk of those waiting to join (continuous batching).
+  sequence plus a prefill chunk of those waiting to join (continuous batching). On a
+  vision-language model its text-only requests batch like a text model's; its requests with
+  media carry per-request prompt embeddings and positions that the batched step does not take,
+  so they step one by one beside the batch (`media_lane.MediaLane`).
 Prefill chunks are sized by measured time (`scheduling.PrefillPacer`, calibrated by one short
 timed pass at load), so that an abort takes effect within about `prefill_chunk_seconds` on any
 backend. An exception raised by the model fails the requests it can be attributed to; anything
@@ -174,6 +176,10 @@ class RunnerCounters:
     batch_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
     #: memory of the live sequences' KV caches (batched route; bytes)
     kv_bytes: int = 0
+    #: requests with media stepping beside the batch, and their steps (batched route on a
+    #: vision-language model: `media_lane`)
+    media: int = 0
+    media_steps: int = 0
 
 
 class Runner:
@@ -446,7 +452,7 @@ class Runner:
             loaded.model, self._max_kv_size, self.pacer
         )
         multimodal = loaded.multimodal is not None
-        self.batching = self.max_num_seqs > 1 and mergeable and not multimodal
+        self.batching = self.max_num_seqs > 1 and mergeable
         if draft is not None:
             self.speculator = Speculator(
                 loaded.model,
@@ -462,7 +468,10 @@ class Runner:
         if self.max_num_seqs > 1 and not mergeable:
             log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
         elif self.max_num_seqs > 1 and multimodal:
-            log.info("a vision-language model: serving one sequence at a time")
+            log.info(
+                "a vision-language model: text-only requests decode in the batch, requests "
+                "with media one at a time beside it"
+            )
         assert self._token is not None
         self.info = info  # before any job can arrive: jobs come after `started`
         self._token.run_sync_soon(report_ready, info)
