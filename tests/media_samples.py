@@ -43,14 +43,14 @@ def image_message(url: str, text: str = "What is in this image?") -> list[dict[s
 
 
 def write_video(
-    path: Path, frames: int = 8, size: tuple[int, int] = (56, 56), fps: int = 4
+    path: Path, frames: int = 8, size: tuple[int, int] = (56, 56), fps: int = 4, seed: int = 100
 ) -> Path:
-    """A short MJPG video of random frames."""
+    """A short MJPG video of random frames (frame k: `image(seed + k)`)."""
     import cv2
 
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), fps, size)
     for k in range(frames):
-        writer.write(np.asarray(image(100 + k, size))[:, :, ::-1].copy())
+        writer.write(np.asarray(image(seed + k, size))[:, :, ::-1].copy())
     writer.release()
     return path
 

@@ -50,9 +50,9 @@ def hold_the_runner_intake(monkeypatch: Any) -> IntakeHold:
     hold = IntakeHold()
     apply, take = batch_loop._apply, Runner._take_commands
 
-    def held_apply(runner: Any, batch: Any) -> Any:
+    def held_apply(runner: Any, batch: Any, *rest: Any) -> Any:
         hold.wait_if_closed()
-        return apply(runner, batch)
+        return apply(runner, batch, *rest)
 
     def held_take(self: Runner, live: Any, loaded: Any) -> Any:
         hold.wait_if_closed()

@@ -15,8 +15,10 @@ import trio
 
 import trio_mlx
 from media_samples import data_url, image, image_message, media_server, png, write_video
+from tiny_vlm import build_tiny_vlm
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.multimodal.media import MediaPolicy, address_allowed
+from trio_mlx.multimodal.prepare import MultimodalRequest
 
 GREEDY: dict[str, Any] = {"max_tokens": 8, "temperature": 0.0}
 
@@ -143,6 +145,42 @@ async def test_a_video_is_sampled_into_frames(vlm: trio_mlx.Engine, tmp_path: Pa
     assert vlm.info.multimodal is not None
     assert request.prompt_tokens.count(vlm.info.multimodal.video_token_id) > 0
     assert out.completion_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2.5-VL (tests/tiny_vlm.py: windowed vision attention)."""
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen2.5-vl"
+    return build_tiny_vlm(path, model_type="qwen2_5_vl")
+
+
+@pytest.fixture
+async def qwen2_5_vl(tiny_qwen2_5_vl_dir: Path) -> AsyncIterator[trio_mlx.Engine]:
+    async with trio_mlx.open_engine(tiny_qwen2_5_vl_dir) as engine:
+        yield engine
+
+
+async def test_a_video_on_qwen2_5_vl_fills_its_grid_and_changes_the_reply(
+    qwen2_5_vl: trio_mlx.Engine, tmp_path: Path
+) -> None:
+    info = qwen2_5_vl.info.multimodal
+    assert info is not None and info.model_type == "qwen2_5_vl"
+    # 112x112 frames: 4x4 merged patches, more than one 56-pixel attention window (2x2)
+    clip = write_video(tmp_path / "a.avi", frames=8, size=(112, 112))
+    other = write_video(tmp_path / "b.avi", frames=8, size=(112, 112), seed=200)
+    messages = [{"role": "user", "content": "What happens?"}]
+    request = await qwen2_5_vl.prepare_chat_async(messages, videos=[str(clip)])
+    assert isinstance(request, MultimodalRequest) and request.vision is not None
+    assert request.vision.videos == 1 and request.vision.images == 0
+    t, h, w = (int(n) for n in request.vision.arrays["video_grid_thw"][0])
+    assert (h, w) == (8, 8) and t >= 2  # 14-pixel patches; 4 frames at 2 a second, 2 a step
+    assert request.prompt_tokens.count(info.video_token_id) == t * h * w // 4
+    first = await qwen2_5_vl.chat(messages, videos=[str(clip)], **GREEDY)
+    changed = await qwen2_5_vl.chat(messages, videos=[str(other)], **GREEDY)
+    again = await qwen2_5_vl.chat(messages, videos=[str(clip)], **GREEDY)
+    assert first.completion_tokens > 0
+    assert first.tokens != changed.tokens
+    assert first.tokens == again.tokens
 
 
 # ---- refusals -----------------------------------------------------------------------------------

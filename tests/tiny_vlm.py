@@ -1,17 +1,20 @@
-"""A tiny randomly initialised Qwen2-VL, built offline: the one recipe tests, benchmarks and the
-README use for a vision-language model.
+"""A tiny randomly initialised Qwen2-VL or Qwen2.5-VL, built offline: the one recipe tests,
+benchmarks and the README use for a vision-language model.
 
-- weights: mlx-vlm's own `qwen2_vl.Model`, scaled down (text hidden 64, 2 layers, 4 heads / 2 KV
-  heads, mrope sections [2, 3, 3]; vision 2 blocks, embed 32, patch 14, merge 2), saved in
-  mlx-vlm's sanitized layout. The residual output projections are scaled up so that an image
-  visibly changes the greedy output (plain random init gives the same answer whatever the image).
+- weights: mlx-vlm's own `qwen2_vl.Model` (or `qwen2_5_vl.Model`), scaled down (text hidden 64,
+  2 layers, 4 heads / 2 KV heads, mrope sections [2, 3, 3]; vision 2 blocks, embed 32, patch 14,
+  merge 2; Qwen2.5-VL's tower: width 32, windows of 56 pixels, block 1 of full attention),
+  saved in mlx-vlm's sanitized layout. The residual output projections are scaled up so that an
+  image visibly changes the greedy output (plain random init gives the same answer whatever
+  the image).
 - tokenizer: SmolLM2's byte-level BPE (rebuilt from the bundled GGUF, as `tiny_model.py` does)
   plus Qwen2-VL's `<|vision_start|>`, `<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>` (ids
   49152-49155), Qwen2-VL's chat template, EOS `<|im_end|>`.
 - image processor: `preprocessor_config.json` for mlx-vlm's numpy Qwen image processor, mean/std
   0.5, small `min_pixels`/`max_pixels` so that a 56x56 image is 4 image tokens.
 
-`python tests/tiny_vlm.py OUT_DIR` writes one (for a benchmark or to try the README's examples).
+`python tests/tiny_vlm.py OUT_DIR [qwen2_5_vl]` writes one (for a benchmark or to try the README's
+examples).
 """
 
 from __future__ import annotations
@@ -83,23 +86,44 @@ VISION_CONFIG: dict[str, Any] = {
     "temporal_patch_size": 2,
 }
 
+#: What a Qwen2.5-VL tower needs beyond Qwen2-VL's: `hidden_size` is the tower's own width there
+#: and `out_hidden_size` the merger's output (the text model's hidden size); attention in windows
+#: of `window_size` pixels (a multiple of patch x merge = 28) except in `fullatt_block_indexes`.
+QWEN2_5_VISION_CONFIG: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "out_hidden_size": 64,
+    "window_size": 56,
+    "fullatt_block_indexes": [1],
+    "tokens_per_second": 2,
+}
+#: model_type -> (HF architecture, the tiny vision settings over VISION_CONFIG)
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration", {}),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", QWEN2_5_VISION_CONFIG),
+}
+
 #: pixels of the smallest and largest image after resizing (multiples of (14*2)^2 = 784)
 MIN_PIXELS = 784
 MAX_PIXELS = 784 * 64
 
 
 def tiny_vlm_config(
-    text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    model_type: str = "qwen2_vl",
 ) -> dict[str, Any]:
     """config.json: the text settings at the root (mlx-vlm reads them there) and in
-    `text_config` (transformers reads them there). `text` / `vision` override the tiny shape
-    (the benchmarks build real shapes this way)."""
-    text_config = {**TEXT_CONFIG, **(text or {})}
+    `text_config` (transformers reads them there). `model_type` is one of `ARCHITECTURES`;
+    `text` / `vision` override the tiny shape (the benchmarks build real shapes this way)."""
+    architecture, tiny_vision = ARCHITECTURES[model_type]
+    text_config = {**TEXT_CONFIG, **(text or {}), "model_type": model_type}
+    vision_config = {**VISION_CONFIG, **tiny_vision, **(vision or {}), "model_type": model_type}
     return {
         **text_config,
-        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "architectures": [architecture],
         "text_config": dict(text_config),
-        "vision_config": {**VISION_CONFIG, **(vision or {})},
+        "vision_config": vision_config,
         "image_token_id": IMAGE_TOKEN_ID,
         "video_token_id": VIDEO_TOKEN_ID,
         "vision_start_token_id": VISION_START_ID,
@@ -156,8 +180,8 @@ def build_tiny_vlm(
     dtype: Any = None,
 ) -> Path:
     """Write a tiny Qwen2-VL directory (config, random weights, tokenizer, image processor).
-    `model_type` ("qwen2_vl", "qwen2_5_vl"), `text`, `vision`, `max_pixels` and `dtype` build
-    other shapes with the same tokenizer (benchmarks: `bench/multimodal.py`)."""
+    `model_type` ("qwen2_vl", "qwen2_5_vl": its tiny tower), `text`, `vision`, `max_pixels` and
+    `dtype` build other shapes with the same tokenizer (benchmarks: `bench/multimodal.py`)."""
     import importlib
 
     from mlx_vlm.utils import update_module_configs
@@ -166,9 +190,7 @@ def build_tiny_vlm(
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(out_dir)
     _write_image_processor(out_dir, max_pixels)
-    text = {**(text or {}), "model_type": model_type}
-    vision = {**(vision or {}), "model_type": model_type}
-    config = tiny_vlm_config(text, vision)
+    config = tiny_vlm_config(text, vision, model_type)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     mx.random.seed(seed)
     settings = json.loads(json.dumps(config))
@@ -190,4 +212,5 @@ def build_tiny_vlm(
 
 
 if __name__ == "__main__":
-    print(build_tiny_vlm(Path(sys.argv[1])))
+    # python tests/tiny_vlm.py OUT_DIR [MODEL_TYPE]
+    print(build_tiny_vlm(Path(sys.argv[1]), model_type=(sys.argv[2:] or ["qwen2_vl"])[0]))

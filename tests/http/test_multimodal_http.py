@@ -193,3 +193,37 @@ def test_trio_mlx_serve_reads_local_images_only_under_the_allowed_path(
                     **GREEDY,
                 )
             assert info.value.body["param"] == "messages[0].content[0].image_url"  # type: ignore[index]
+
+
+async def test_an_image_and_a_text_request_together_on_a_batching_server(
+    tiny_vlm_dir: Path,
+) -> None:
+    """With max_num_seqs > 1 the text request decodes in the batch and the image request steps
+    beside it (actors/media_lane.py): together, each gets what it gets alone."""
+    text = [{"role": "user", "content": "Tell me about the sea."}]
+    async with running_server(tiny_vlm_dir, served_model_names=("vlm",), max_num_seqs=4) as server:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60
+        ) as client:
+
+            async def ask(messages: Any) -> str:
+                reply = await client.chat.completions.create(
+                    model="vlm",
+                    messages=messages,
+                    **GREEDY,  # type: ignore[arg-type]
+                )
+                return reply.choices[0].message.content or ""
+
+            alone = [await ask(image_message(data_url(png(0)))), await ask(text)]
+            together: list[str] = ["", ""]
+
+            async def one(i: int, messages: Any) -> None:
+                together[i] = await ask(messages)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0, image_message(data_url(png(0))))
+                nursery.start_soon(one, 1, text)
+            assert together == alone
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                runner = (await http.get("/v1/status")).json()["runner"]
+            assert runner["batching"] is True and runner["media_steps"] > 0

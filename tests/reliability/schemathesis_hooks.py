@@ -12,6 +12,10 @@ on the server's settings, which a static document cannot state:
 - a JSON schema (`response_format`, `text.format`) that the grammar library cannot compile
   (code `invalid_output_format`): which schemas it can enforce is the library's, not the
   document's.
+- an image or video part (chat's `image_url`, `video_url`; Responses' `input_image`; an Anthropic
+  `image` block) sent to a text-only model, or in a tool result where the model's chat template
+  does not render tool messages (results are then written into the prompt as text): what the
+  model takes is the model's;
 - a `tool_choice` naming a tool that is not among the request's `tools` (or needing tools when
   there are none), and two tools of one name.
 
@@ -72,6 +76,10 @@ def depends_on_model_or_settings(response: Response) -> bool:
     ):
         return True
     if str(param).startswith("tools.") and "tool names must be unique" in message:
+        return True
+    if "is a text-only model: it cannot take images or video" in message:
+        return True
+    if "chat template does not render tool messages" in message:
         return True
     if param in ("response_format", "text.format") and code == "invalid_output_format":
         return True

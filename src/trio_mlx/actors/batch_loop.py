@@ -7,7 +7,9 @@ The loop, top to bottom, once per step while anything is live:
    go to Trio at once, then the finished sequences' snapshots are taken. With a draft model, a
    batch of one row takes a speculative step instead (`BatchDecoder.speculate`: several tokens
    for that row); as soon as a second row joins, the batch decodes without the draft again;
-3. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
+3. on a vision-language model, one step of each request with media (`media_lane.MediaLane`: they
+   cannot join the batch, see there why; they advance beside it, step for step);
+4. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
    measured time, held to a couple of decode steps while rows decode, so a long prompt arriving
    does not stall the streams already decoding, more when many wait beside a small batch), its
    store-point snapshots, and the sequences whose prefill is complete join the batch.
@@ -24,11 +26,13 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from trio_mlx.actors.kv_cache import CacheKind
+from trio_mlx.actors.media_lane import MediaLane
 from trio_mlx.actors.runner_protocol import AbortJob, ClearSnapshots, SequenceEvent
 from trio_mlx.engine.batch import BatchDecoder
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.fast_decode import compiled_batch_enabled
 from trio_mlx.engine.loading import LoadedModel
+from trio_mlx.multimodal.job import MultimodalJob
 from trio_mlx.types import FinishReason
 
 if TYPE_CHECKING:
@@ -65,13 +69,15 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         split_at_store_points=not (support is not None and support.trimmable),
         compiled=runner.compiled if compiled_batch_enabled() else None,
     )
+    lane = MediaLane(runner, loaded)
     counters = runner.counters
     pacer = runner.pacer
     while True:
-        if runner._stop.is_set() or (not batch.busy and not runner._wait_for_command()):
+        busy = batch.busy or len(lane) > 0
+        if runner._stop.is_set() or (not busy and not runner._wait_for_command()):
             return
-        events = _apply(runner, batch)
-        if not batch.busy:
+        events = _apply(runner, batch, lane)
+        if not batch.busy and not lane:
             runner._emit(events, [])
             continue
         began = time.perf_counter()
@@ -100,6 +106,10 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 counters.batch_sizes[rows] = counters.batch_sizes.get(rows, 0) + 1
             runner._emit(events, stores)
             events, stores = [], []
+        if lane:
+            lane.step(batch.decoding, 1, events, stores)
+            runner._emit(events, stores)
+            events, stores = [], []
         if batch.waiting:
             decoding, waiting = batch.decoding, len(batch.waiting)
             chunk_began = time.perf_counter()
@@ -125,15 +135,16 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             runner._emit(events, stores)
             counters.prompt_tokens += batch.join()
         counters.steps += 1
-        counters.live = batch.live
+        counters.live = batch.live + len(lane)
         counters.decoding = batch.decoding
         counters.prefilling = len(batch.waiting)
         counters.kv_bytes = batch.kv_bytes()
         counters.busy_seconds += time.perf_counter() - began
 
 
-def _apply(runner: Runner, batch: BatchDecoder) -> list[SequenceEvent]:
-    """Apply every queued command; return the events they cause (a job that cannot start)."""
+def _apply(runner: Runner, batch: BatchDecoder, lane: MediaLane) -> list[SequenceEvent]:
+    """Apply every queued command; return the events they cause (a job that cannot start).
+    A job with media goes to `lane`, any other to the batch."""
     events: list[SequenceEvent] = []
     block = runner._prefill_plan.block
     while True:
@@ -142,6 +153,9 @@ def _apply(runner: Runner, batch: BatchDecoder) -> list[SequenceEvent]:
         except queue.Empty:
             break
         if isinstance(command, AbortJob):
+            if lane.remove(command.request_id, store=command.store):
+                runner.counters.aborted += 1
+                continue
             seq = batch.remove(command.request_id, keep_cache=command.store)
             if seq is not None:
                 runner.counters.aborted += 1
@@ -154,8 +168,11 @@ def _apply(runner: Runner, batch: BatchDecoder) -> list[SequenceEvent]:
             continue
         job = command.job
         try:
-            cache, cached_tokens = runner._snapshots.restore_for(job, block)
-            batch.add(job, cache, cached_tokens)
+            if isinstance(job, MultimodalJob):
+                lane.add(job)
+            else:
+                cache, cached_tokens = runner._snapshots.restore_for(job, block)
+                batch.add(job, cache, cached_tokens)
             runner.counters.started += 1
         except Exception as exc:
             log.exception("request %d could not start", job.request_id)
@@ -163,7 +180,7 @@ def _apply(runner: Runner, batch: BatchDecoder) -> list[SequenceEvent]:
             events.append(
                 SequenceEvent(job.request_id, finish="error", error=f"{type(exc).__name__}: {exc}")
             )
-    runner.counters.live = batch.live
+    runner.counters.live = batch.live + len(lane)
     return events
 
 

@@ -100,6 +100,8 @@ def engine_stats(
             if counters.steps
             else 0.0,
             "kv_bytes": counters.kv_bytes,
+            "media_sequences": counters.media,
+            "media_steps": counters.media_steps,
             "steps": counters.steps,
             "prefill_chunks": counters.prefill_chunks,
             "decode_steps": counters.decode_steps,

@@ -22,13 +22,15 @@ Start-up (`runner_start`, on the thread, before `started`): the models are loade
 decode step, the prefill plan, the route and the speculator are chosen.
 
 Two routes, chosen once the model is loaded:
-- serialized (`max_num_seqs == 1`, a model whose cache cannot be batched, or a vision-language
-  model: its requests with media carry per-request prompt embeddings and positions that the
-  batched step does not take): a step is one prefill chunk or one decode token of the live
-  sequence (`decode.ActiveSequence`), or the vision encoding of a request with media
-  (`multimodal.job.MultimodalSequence`, whose first step it is);
+- serialized (`max_num_seqs == 1`, or a model whose cache cannot be batched): a step is one
+  prefill chunk or one decode token of each live sequence (`decode.ActiveSequence`), or the
+  vision encoding of a request with media (`multimodal.job.MultimodalSequence`, whose first
+  step it is);
 - batched (`max_num_seqs > 1`): `batch_loop.serve_batched`, one decode step over every running
-  sequence plus a prefill chunk of those waiting to join (continuous batching).
+  sequence plus a prefill chunk of those waiting to join (continuous batching). On a
+  vision-language model its text-only requests batch like a text model's; its requests with
+  media carry per-request prompt embeddings and positions that the batched step does not take,
+  so they step one by one beside the batch (`media_lane.MediaLane`).
 Prefill chunks are sized by measured time (`scheduling.PrefillPacer`, calibrated by one short
 timed pass at load), so that an abort takes effect within about `prefill_chunk_seconds` on any
 backend. An exception raised by the model fails the requests it can be attributed to; anything

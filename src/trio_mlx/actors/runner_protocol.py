@@ -96,3 +96,7 @@ class RunnerCounters:
     batch_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
     #: memory of the live sequences' KV caches (batched route; bytes)
     kv_bytes: int = 0
+    #: requests with media stepping beside the batch, and their steps (batched route on a
+    #: vision-language model: `media_lane`)
+    media: int = 0
+    media_steps: int = 0

@@ -139,7 +139,7 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
     pacer = PrefillPacer(plan.step, block=plan.block, target_seconds=options.prefill_chunk_seconds)
     kv_bytes_per_token, mergeable = probe_cache(loaded.model, options.max_kv_size, pacer)
     multimodal = loaded.multimodal is not None
-    batching = options.max_num_seqs > 1 and mergeable and not multimodal
+    batching = options.max_num_seqs > 1 and mergeable
     speculator: Speculator | None = None
     if draft is not None:
         speculator = Speculator(
@@ -156,7 +156,10 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
     if options.max_num_seqs > 1 and not mergeable:
         log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
     elif options.max_num_seqs > 1 and multimodal:
-        log.info("a vision-language model: serving one sequence at a time")
+        log.info(
+            "a vision-language model: text-only requests decode in the batch, requests "
+            "with media one at a time beside it"
+        )
     return ServingSetup(
         info=info,
         compiled=compiled,

@@ -51,16 +51,22 @@ from trio_mlx.http.objects import (
     MessageToolCall,
     Usage,
 )
-from trio_mlx.http.requests import ChatCompletionRequest, ChatMessage, ContentPart
+from trio_mlx.http.requests import (
+    MEDIA_PART_FIELDS,
+    TEXT_PART_TYPES,
+    ChatCompletionRequest,
+    ChatMessage,
+    ContentPart,
+)
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.structured_output import chat_output_format
 from trio_mlx.http.tooling import CallReader, chat_deltas, plan_tools
 from trio_mlx.types import GenerationOutput, TokenLogprob
 
-TEXT_PARTS = {"text", "input_text", "output_text"}
+TEXT_PARTS = frozenset(TEXT_PART_TYPES)
 #: content parts carrying media: passed on to the engine, which fetches them for a
 #: vision-language model and refuses them (400 naming the part) for a text model
-MEDIA_PARTS = {"image_url", "input_image", "video_url"}
+MEDIA_PARTS = frozenset(MEDIA_PART_FIELDS)
 _DELTA_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
 

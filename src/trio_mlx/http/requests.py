@@ -153,25 +153,73 @@ def _only_one_choice(n: int | None, name: str = "n") -> None:
 # ---- chat completions --------------------------------------------------------------------------
 
 
+#: A media part's URL as the published schema states it where the part is media (the server
+#: refuses an empty one, naming the part); the same field on a text part is ignored, so there the
+#: schema leaves it a plain string.
+MEDIA_URL_SCHEMA: dict[str, Any] = {
+    "type": "string",
+    "minLength": 1,
+    "description": "A data URL (`data:image/png;base64,...`), an http(s) URL, or a local path "
+    "under the server's --allowed-local-media-path",
+}
+MEDIA_SOURCE_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "object", "properties": {"url": MEDIA_URL_SCHEMA}, "required": ["url"]},
+        MEDIA_URL_SCHEMA,
+    ]
+}
+
+
 class ImageURL(_Body):
+    """The source of an `image_url` / `video_url` part (`detail` is accepted and ignored)."""
+
     url: str
     detail: str | None = None
+
+
+#: Text parts, and the media parts with the field that holds their source. The media parts are
+#: served on a vision-language model and refused by a text-only one (a 400 naming the part).
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+MEDIA_PART_FIELDS = {"image_url": "image_url", "input_image": "image_url", "video_url": "video_url"}
+#: Part types a request may hold (`input_audio` parses but is refused: no audio models here).
+SERVED_PART_TYPES = [*TEXT_PART_TYPES, "refusal", *MEDIA_PART_FIELDS]
+
+
+def _part_type_is(*types: str) -> dict[str, Any]:
+    return {"properties": {"type": {"enum": list(types)}}, "required": ["type"]}
+
+
+def _content_part_schema(schema: dict[str, Any]) -> None:
+    # Which field each part type needs, as the server checks it (chat.py, multimodal/parts.py).
+    schema["allOf"] = [
+        {
+            "if": _part_type_is(*TEXT_PART_TYPES),
+            "then": {"properties": {"text": {"type": "string"}}, "required": ["text"]},
+        },
+        *(
+            {
+                "if": _part_type_is(kind),
+                "then": {"properties": {field: MEDIA_SOURCE_SCHEMA}, "required": [field]},
+            }
+            for kind, field in MEDIA_PART_FIELDS.items()
+        ),
+    ]
+    schema["description"] = (
+        "Text (`text`; Responses' `input_text`, `output_text`), `refusal`, or media for a "
+        'vision-language model: chat\'s `{"type": "image_url", "image_url": {"url"}}` and '
+        '`{"type": "video_url", "video_url": {"url"}}`, Responses\' `{"type": "input_image", '
+        '"image_url": "<url>"}` (each source an object with `url` or the URL itself; either '
+        "route takes any of them). A text-only model refuses media parts with a 400 naming the "
+        "part (`messages[1].content[0].image_url`)."
+    )
 
 
 class ContentPart(_Body):
     """A part of a message's content: text (`text`, `input_text`, `output_text`) or media."""
 
-    # A text part without `text` is refused where the content is read (chat.py); the schema
-    # states it as a condition on `type`.
-    model_config = ConfigDict(
-        json_schema_extra={
-            "if": {
-                "properties": {"type": {"enum": ["text", "input_text", "output_text"]}},
-                "required": ["type"],
-            },
-            "then": {"properties": {"text": {"type": "string"}}, "required": ["text"]},
-        }
-    )
+    # A text part without `text`, or a media part without its source, is refused where the
+    # content is read (chat.py, multimodal/parts.py); the schema states it as conditions on `type`.
+    model_config = ConfigDict(json_schema_extra=_content_part_schema)
 
     type: Annotated[
         Literal[
@@ -184,7 +232,7 @@ class ContentPart(_Body):
             "video_url",
             "refusal",
         ],
-        WithJsonSchema({"enum": ["text", "input_text", "output_text", "refusal"]}),
+        WithJsonSchema({"enum": SERVED_PART_TYPES}),
     ]
     text: str | None = None
     refusal: str | None = None

@@ -36,7 +36,7 @@ class InputItem(_Body):
                     "then": {
                         "properties": {
                             "call_id": {"type": "string"},
-                            "name": {"type": "string"},
+                            "name": {"type": "string", "minLength": 1},
                             "arguments": {"type": "string"},
                         },
                         "required": ["call_id", "name", "arguments"],

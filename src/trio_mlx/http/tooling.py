@@ -251,7 +251,17 @@ def _history(messages: list[dict[str, Any]], knows_tools: bool) -> list[dict[str
                 text = calls_as_text(parsed)
                 message["content"] = f"{message['content']}\n{text}" if message["content"] else text
         if message["role"] == "tool" and not knows_tools:
-            message = {"role": "user", "content": result_as_text(message["content"])}
+            content = message["content"]
+            if isinstance(content, list):  # media parts (chat.template_messages keeps a list)
+                j = next(j for j, part in enumerate(content) if part.get("type") != "text")
+                raise APIError(
+                    400,
+                    "this model's chat template does not render tool messages, so a tool "
+                    "result can hold text only (it is written into the prompt as text)",
+                    param=f"messages[{i}].content[{j}]",
+                    code="unsupported_value",
+                )
+            message = {"role": "user", "content": result_as_text(content)}
         out.append(message)
     return out
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trio_mlx.http.anthropic.requests import (
+    IMAGE_MEDIA_TYPES,
     LATER_BLOCK_TYPES,
     THINKING_BLOCK_TYPES,
     ContentBlock,
@@ -42,8 +43,6 @@ from trio_mlx.http.anthropic.requests import (
 )
 from trio_mlx.http.errors import APIError
 
-#: Image media types Anthropic accepts in a base64 source.
-IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 _TEMPLATE_FIELD = re.compile(r"^messages\[(\d+)\](?:\.content\[(\d+)\](\.image_url)?)?")
 
 

@@ -13,9 +13,9 @@ of a type error. Their variable parts (`source`, `input`, `tool_result` content)
 objects here, checked there. The published schema states, type by type, what is served:
 `text`, `tool_use` (assistant turns), `tool_result` (user turns), `thinking` and
 `redacted_thinking` (assistant turns: what this server and Anthropic send back; dropped, as
-Anthropic drops earlier turns' thinking). `image` blocks are served on a vision-language model
-and refused by a text-only one, so the document (of whichever model) does not list them, as the
-OpenAI routes' document leaves out image parts.
+Anthropic drops earlier turns' thinking), and `image` (user turns; `source` base64 with a
+`media_type` of `IMAGE_MEDIA_TYPES`, or a `url`): served on a vision-language model and refused
+by a text-only one with a 400 naming the block, as the OpenAI routes' image parts are.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ LATER_BLOCK_TYPES = ("document", "search_result")
 THINKING_BLOCK_TYPES = ("thinking", "redacted_thinking")
 #: The block types each role's turns may hold, as the published schema lists them.
 SERVED_BLOCK_TYPES = {
-    "user": ["text", "tool_result"],
+    "user": ["text", "image", "tool_result"],
     "assistant": ["text", "tool_use", *THINKING_BLOCK_TYPES],
 }
+#: The media types of a base64 image source.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 #: Anthropic's rule for tool names.
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,128}$"
 
@@ -44,6 +46,35 @@ _TEXT_ITEM = {
     "type": "object",
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     "required": ["type", "text"],
+}
+
+
+_NON_EMPTY = {"type": "string", "minLength": 1}
+#: An image block's `source`, as `conversation.py` reads it.
+_IMAGE_SOURCE = {
+    "oneOf": [
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "base64"},
+                "media_type": {"enum": list(IMAGE_MEDIA_TYPES)},
+                "data": _NON_EMPTY | {"contentEncoding": "base64"},
+            },
+            "required": ["type", "media_type", "data"],
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "url"},
+                "url": _NON_EMPTY
+                | {
+                    "description": "An http(s) URL (or a data URL, or a local path under the "
+                    "server's --allowed-local-media-path)"
+                },
+            },
+            "required": ["type", "url"],
+        },
+    ]
 }
 
 
@@ -86,6 +117,7 @@ def _block_schema(schema: dict[str, Any]) -> None:
                 "required": ["id", "name", "input"],
             },
         ),
+        _when("image", {"properties": {"source": _IMAGE_SOURCE}, "required": ["source"]}),
         _when(
             "tool_result",
             {
@@ -106,9 +138,10 @@ def _block_schema(schema: dict[str, Any]) -> None:
     schema["description"] = (
         "`text`; `tool_use` (`id`, `name`, `input`) in assistant turns; `tool_result` "
         "(`tool_use_id`, `content` a string or text blocks, `is_error`) in user turns; `thinking` "
-        "and `redacted_thinking` in assistant turns (dropped). On a vision-language model, also "
-        '`image` blocks in user turns: `{"type": "image", "source": {"type": "base64", '
-        '"media_type", "data"}}` or `{"source": {"type": "url", "url"}}`.'
+        "and `redacted_thinking` in assistant turns (dropped); `image` blocks in user turns "
+        '(`{"type": "image", "source": {"type": "base64", "media_type", "data"}}` or '
+        '`{"source": {"type": "url", "url"}}`), served on a vision-language model and refused '
+        "by a text-only one with a 400 naming the block."
     )
 
 

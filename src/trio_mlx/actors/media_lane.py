@@ -1,0 +1,120 @@
+"""Requests with media on the batched route: a lane of their own beside the decode batch.
+
+On a vision-language model with `max_num_seqs > 1`, text-only requests go through the language
+model (`multimodal.loading.TextView`) and decode together in the batch like a text model's. A
+request with images or video cannot join that batch, for two reasons that are the batch's:
+
+- its prefill feeds the language model merged input embeddings (vision features at the media
+  positions) and the model's own 3-D mrope position ids (`multimodal.job.PromptEmbeddingModel`),
+  where the batch's prefill (`engine.batch.BatchDecoder.prefill`) feeds token ids at positions
+  that follow each row's cache offset;
+- its decode places each new token at `cache offset + rope delta`, a per-request delta (the
+  media's positions are compressed into a grid, so the delta is negative), where the batch's one
+  forward pass gives every row the delta 0 (`TextView` passes a zero delta for all rows).
+
+So each of them is a `MultimodalSequence` with its own KV cache, stepped here once per loop of
+the batched route, after the batch's decode step and before its prefill chunk, exactly as the
+serialized route steps it: its first step is the vision encoding, then prefill chunks under the
+pacer's budget (the one the batch's own prefill gets, so decoding rows are not stalled longer
+than by a batch prefill chunk), then one decode token a step. Nothing waits in a queue: media
+requests and batched text requests advance together, step for step; admission
+(`max_num_seqs`) counts them all. An abort takes the sequence out at the next step boundary
+and never touches the batch (its cache is its own).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from trio_mlx.actors.kv_cache import CacheKind
+from trio_mlx.actors.runner_protocol import SequenceEvent
+from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
+
+if TYPE_CHECKING:
+    from trio_mlx.actors.runner import Runner
+    from trio_mlx.engine.loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+Stores = list[tuple[Any, CacheKind, int | None]]
+
+
+class MediaLane:
+    """The live requests with media on the batched route (see the module)."""
+
+    def __init__(self, runner: Runner, loaded: LoadedModel) -> None:
+        self._runner = runner
+        self._loaded = loaded
+        self._live: dict[int, MultimodalSequence] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, job: MultimodalJob) -> None:
+        """Start `job` from its longest cached prefix (raises if it cannot start)."""
+        runner = self._runner
+        vocab = runner.info.vocab_size if runner.info is not None else len(self._loaded.tokenizer)
+        self._live[job.request_id] = runner._multimodal_sequence(job, self._loaded, vocab)
+        runner.counters.media = len(self._live)
+
+    def remove(self, request_id: int, *, store: bool) -> bool:
+        """Take a request out (an abort); snapshot what its cache holds when `store` and its
+        prefill completed. Whether it was here."""
+        seq = self._live.pop(request_id, None)
+        if seq is None:
+            return False
+        self._runner.counters.media = len(self._live)
+        if store and seq.prefill_done:
+            self._runner._snapshots.store(seq, "conversation")
+        return True
+
+    def step(
+        self, decoding: int, waiting: int, events: list[SequenceEvent], stores: Stores
+    ) -> None:
+        """One step of every live request with media: its events and snapshots are appended to
+        `events` and `stores`. `decoding` / `waiting`: the batch's rows, for the pacer's prefill
+        budget."""
+        runner = self._runner
+        counters = runner.counters
+        pacer = runner.pacer
+        for request_id, seq in list(self._live.items()):
+            prefill = seq.in_prefill
+            try:
+                began = time.perf_counter()
+                result = seq.step(pacer.chunk_tokens(decoding, waiting) if prefill else None)
+                if prefill and not result.tokens and result.finish is None:
+                    pacer.observe_chunk(result.prefilled, time.perf_counter() - began)
+            except Exception as exc:
+                log.exception("request %d failed inside the model", request_id)
+                del self._live[request_id]
+                counters.failed += 1
+                error = f"{type(exc).__name__}: {exc}"
+                events.append(
+                    SequenceEvent(
+                        request_id, finish="error", error=error, cached_tokens=seq.cached_tokens
+                    )
+                )
+                continue
+            counters.media_steps += 1
+            counters.prompt_tokens += result.prefilled
+            counters.generated_tokens += len(result.tokens)
+            last = len(seq.job.prompt_tokens) - 1
+            for point in result.store_points:
+                stores.append((seq, "prompt" if point == last else "system", point))
+            if result.finish is not None:
+                del self._live[request_id]
+                stores.append((seq, "conversation", None))
+            if result.tokens or result.finish is not None:
+                events.append(
+                    SequenceEvent(
+                        request_id,
+                        result.tokens,
+                        result.finish,  # type: ignore[arg-type]
+                        None,
+                        result.logprobs,
+                        seq.cached_tokens,
+                    )
+                )
+        counters.media = len(self._live)

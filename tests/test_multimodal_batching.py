@@ -1,0 +1,127 @@
+"""A vision-language model on the batched route (`max_num_seqs > 1`), on the tiny random Qwen2-VL
+(tests/tiny_vlm.py): text-only requests decode together in the batch, each as it decodes alone;
+a request with an image steps beside the batch (`actors/media_lane.py`: why it cannot join), so
+image and text requests running together both complete as they do alone, and an image
+request's abort leaves the batch's requests as they were."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_mlx
+from media_samples import data_url, image_message, png
+from runner_intake import hold_the_runner_intake
+from servers import eventually
+
+GREEDY: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0}
+TEXTS = [
+    [{"role": "user", "content": "Tell me about the sea."}],
+    [{"role": "user", "content": "Count from one to ten, please, slowly and carefully."}],
+]
+IMAGE = image_message(data_url(png(0)))
+
+
+async def alone(model_dir: Path, conversations: list[Any]) -> list[list[int]]:
+    """Each conversation by itself on the serialized route."""
+    async with trio_mlx.open_engine(model_dir, max_num_seqs=1) as engine:
+        assert engine.get_stats()["runner"]["batching"] is False
+        return [(await engine.chat(messages, **GREEDY)).tokens for messages in conversations]
+
+
+async def together(engine: trio_mlx.Engine, conversations: list[Any], hold: Any) -> list[list[int]]:
+    """The conversations started at one step boundary of the runner; their tokens."""
+    outputs: list[list[int]] = [[] for _ in conversations]
+
+    async def one(i: int) -> None:
+        outputs[i] = (await engine.chat(conversations[i], **GREEDY)).tokens
+
+    hold.close()
+    async with trio.open_nursery() as nursery:
+        for i in range(len(conversations)):
+            nursery.start_soon(one, i)
+        count = len(conversations)
+        await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == count)
+        hold.open()
+    return outputs
+
+
+async def assert_idle(engine: trio_mlx.Engine) -> None:
+    await eventually(lambda: not engine.get_stats()["runner"]["live_sequences"])
+    stats = engine.get_stats()
+    assert stats["running"] == 0 and stats["runner"]["requests_in_flight"] == 0
+    assert stats["runner"]["media_sequences"] == 0
+
+
+async def test_text_requests_on_a_vlm_decode_in_one_batch_as_alone(
+    tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = await alone(tiny_vlm_dir, TEXTS)
+    hold = hold_the_runner_intake(monkeypatch)
+    # Chunks cut by the plan alone (not a pace measured on a busy machine): both prefill in one
+    # step and join the batch together.
+    async with trio_mlx.open_engine(
+        tiny_vlm_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
+    ) as engine:
+        assert engine.info.multimodal is not None
+        outputs = await together(engine, TEXTS, hold)
+        stats = engine.get_stats()["runner"]
+        assert outputs == expected
+        assert stats["batching"] is True
+        assert max(int(size) for size in stats["batch_sizes"]) == 2  # they decoded together
+        assert stats["media_steps"] == 0
+        await assert_idle(engine)
+
+
+async def test_an_image_request_beside_a_batch_completes_and_leaves_it_unchanged(
+    tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conversations = [IMAGE, *TEXTS]
+    expected = await alone(tiny_vlm_dir, conversations)
+    hold = hold_the_runner_intake(monkeypatch)
+    async with trio_mlx.open_engine(
+        tiny_vlm_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
+    ) as engine:
+        outputs = await together(engine, conversations, hold)
+        stats = engine.get_stats()["runner"]
+        assert outputs == expected
+        assert max(int(size) for size in stats["batch_sizes"]) == 2  # the two text requests
+        # the image request's vision step, prefill and decode tokens, beside the batch
+        assert stats["media_steps"] >= 2 + GREEDY["max_tokens"] - 1
+        assert engine.get_stats()["vision_cache"]["misses"] >= 1
+        await assert_idle(engine)
+
+
+async def test_an_image_request_aborted_mid_way_leaves_the_batch_as_it_was(
+    tiny_vlm_dir: Path,
+) -> None:
+    expected = await alone(tiny_vlm_dir, TEXTS)
+    async with trio_mlx.open_engine(tiny_vlm_dir, max_num_seqs=4) as engine:
+        outputs: list[list[int]] = [[], []]
+        image_tokens: list[int] = []
+
+        async def text(i: int) -> None:
+            outputs[i] = (await engine.chat(TEXTS[i], **GREEDY)).tokens
+
+        async def image_until_aborted(cancel: trio.CancelScope) -> None:
+            with cancel:
+                async for out in engine.stream_chat(IMAGE, **{**GREEDY, "max_tokens": 64}):
+                    image_tokens.extend(out.new_tokens)
+                    if len(image_tokens) >= 2:
+                        cancel.cancel()  # the client goes away mid-decode
+
+        async with trio.open_nursery() as nursery:
+            cancel = trio.CancelScope()
+            nursery.start_soon(image_until_aborted, cancel)
+            for i in range(len(TEXTS)):
+                nursery.start_soon(text, i)
+        assert outputs == expected
+        assert 2 <= len(image_tokens) < 64
+        await eventually(lambda: engine.get_stats()["runner"]["aborted"] == 1)
+        await assert_idle(engine)
+        # the engine is free: the same image again, whole
+        again = await engine.chat(IMAGE, **{**GREEDY, "max_tokens": 4})
+        assert again.tokens[:2] == image_tokens[:2]
