@@ -30,6 +30,13 @@ SHAPES: dict[str, dict[str, int]] = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
     },
+    "tiny16": {  # the tiny model's layers, 16 of them: a CPU stand-in for a launch-bound step
+        "hidden_size": 64,
+        "num_hidden_layers": 16,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
     "smollm2-135m": {
         "hidden_size": 576,
         "num_hidden_layers": 30,

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import trio_mlx
 from trio_mlx.engine import batch_mask, padded_attention
+from trio_mlx.engine.batch import BatchDecoder
 
 GREEDY = {"max_tokens": 12, "temperature": 0.0}
 SHORT = "Hello there"
@@ -70,20 +71,36 @@ def test_alignment_follows_merge_extend_and_filter() -> None:
     assert batch_mask.aligned_after_merge([None]) is False
 
 
-async def test_a_lone_row_decodes_without_a_mask_and_gives_the_serialized_tokens(
+class CacheLog:
+    """Records the kind of cache every decode step of the batch ran on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.kinds: list[str] = []
+        original = BatchDecoder._queue_step
+
+        def logged(decoder: BatchDecoder) -> Any:
+            self.kinds.append(type(decoder._cache[0]).__name__)
+            return original(decoder)
+
+        monkeypatch.setattr(BatchDecoder, "_queue_step", logged)
+
+
+async def test_a_lone_row_decodes_on_its_own_cache_and_gives_the_serialized_tokens(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
         expected = [(await engine.generate(p, **GREEDY)).tokens for p in (SHORT, LONG)]
-    log = MaskLog(monkeypatch)
+    masks, caches = MaskLog(monkeypatch), CacheLog(monkeypatch)
     async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
         alone = (await engine.generate(SHORT, **GREEDY)).tokens
         assert engine.get_stats()["runner"]["batching"] is True
         assert alone == expected[0]
-        assert log.kinds and set(log.kinds) == {"none"}
-        log.kinds.clear()
+        # The serialized route's cache and step: no batch cache, no batch mask.
+        assert caches.kinds and set(caches.kinds) == {"KVCache"}
+        assert masks.kinds == []
+        caches.kinds.clear()
         # Two rows of different lengths: padded, masked; the short one finishes first (fewer
-        # tokens), and the long one goes on alone, unmasked.
+        # tokens), and the long one goes on alone, on its own cache again.
         outputs: list[Any] = [None, None]
 
         async def one(i: int, prompt: str, max_tokens: int) -> None:
@@ -94,6 +111,21 @@ async def test_a_lone_row_decodes_without_a_mask_and_gives_the_serialized_tokens
             nursery.start_soon(one, 0, SHORT, 4)
             nursery.start_soon(one, 1, LONG, GREEDY["max_tokens"])
     assert outputs == [expected[0][:4], expected[1]]
-    assert "array" in log.kinds
-    if log.kinds.count("array") < len(log.kinds):  # they overlapped, then the long one was alone
-        assert log.kinds[-1] == "none"
+    if "BatchKVCache" in caches.kinds:  # they overlapped: masked while padded, then alone
+        assert "array" in masks.kinds
+        assert caches.kinds[-1] == "KVCache"
+
+
+async def test_a_lone_row_in_a_batch_cache_decodes_without_a_mask(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `solo_rows` off a lone row stays in the batch cache: aligned, no array mask."""
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
+        expected = (await engine.generate(LONG, **GREEDY)).tokens
+    masks, caches = MaskLog(monkeypatch), CacheLog(monkeypatch)
+    monkeypatch.setattr(BatchDecoder, "solo_rows", False)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        alone = (await engine.generate(LONG, **GREEDY)).tokens
+    assert alone == expected
+    assert set(caches.kinds) == {"BatchKVCache"}
+    assert masks.kinds and set(masks.kinds) == {"none"}

@@ -10,8 +10,18 @@ runner thread only.
   cache classes' `merge` / `extend` / `filter` / `extract`), and their last prompt token is their
   input to the next step, whose logits give their first token.
 
+A lone row keeps its own cache (`solo`): while one sequence decodes, the batch's cache is that
+sequence's prompt cache as it prefilled it (mlx-lm's `KVCache` and kin, an integer offset), so
+its step is the serialized route's forward pass exactly: no batch mask, RoPE at an integer
+offset, no per-layer offset arrays. Measured on the H200 the batch cache's lone row decoded at
+0.64-0.74x the serialized route (before its mask was dropped); the GPU serves with batching on by
+default, so one user alone must not pay for it. A second row joining merges the lone cache into a
+batch cache with the joiners' (`merge`); the batch falling back to one row extracts that row's
+cache again (`extract`, one copy of its keys and values).
+
 With `compiled` (the model's `compiled_step.CompiledDecode`) the batch's forward pass is the
-traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits`).
+traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits`); a lone row
+then stays in the batch cache, which that step takes.
 
 `decode()` is one step for every row: rows removed since the last step (finished, aborted,
 failed) leave the batch (`filter`); the next step's forward pass is queued on the device
@@ -138,6 +148,10 @@ class QueuedStep:
 class BatchDecoder:
     """The decode batch and the sequences waiting to join it (see the module docstring)."""
 
+    #: a lone row decodes on its own cache (module docstring); False keeps it in a batch cache
+    #: like any other row (what `bench.lone_row --batch-cache` measures against)
+    solo_rows = True
+
     def __init__(
         self,
         model: Any,
@@ -151,6 +165,8 @@ class BatchDecoder:
     ) -> None:
         self._model = model
         self._compiled = compiled  # the traced batch step, where the batch's cache fits it
+        #: a lone row on its own cache, except where the traced step wants a batch cache
+        self._solo_rows = self.solo_rows and compiled is None
         self._eos = eos_token_ids
         self._vocab = vocab_size
         self._plan = plan
@@ -158,7 +174,10 @@ class BatchDecoder:
         self._split = split_at_store_points
         self.waiting: list[BatchSequence] = []
         self.rows: list[BatchSequence] = []
+        #: the batch's cache, one entry a layer: the lone row's own cache while `solo`, else the
+        #: rows' merged batch cache (mlx-lm's `BatchKVCache` and kin)
         self._cache: list[Any] = []
+        self.solo = False
         self._inputs: Any = None
         self._queued: QueuedStep | None = None
         self._bias: Any = None
@@ -422,6 +441,9 @@ class BatchDecoder:
         return results
 
     def _extract(self, row: int) -> list[Any]:
+        """Row `row`'s cache: the lone row's own (no copy) or a copy out of the batch cache."""
+        if self.solo:
+            return self._cache
         return [c.extract(row) for c in self._cache]
 
     def _drop_removed(self) -> None:
@@ -430,7 +452,14 @@ class BatchDecoder:
             return
         self._bias_stale = True
         if not keep:
-            self.rows, self._cache, self._inputs = [], [], None
+            self.rows, self._cache, self._inputs, self.solo = [], [], None, False
+            return
+        if len(keep) == 1 and self._solo_rows:
+            # One row left: it goes on with a cache of its own (module docstring).
+            self._cache = self._extract(keep[0])
+            self._inputs = self._inputs[keep[0] : keep[0] + 1]
+            self.rows = [self.rows[keep[0]]]
+            self.solo = True
             return
         aligned = batch_mask.aligned_after_filter(self._cache, len(keep))
         for layer in self._cache:
@@ -445,6 +474,7 @@ class BatchDecoder:
         for seq in failed:
             seq.removed = True
         self.rows, self._cache, self._inputs, self._queued = [], [], None, None
+        self.solo = False
         self._bias_stale = True
         return [RowResult(seq, finish="error", error=error) for seq in failed]
 
@@ -481,19 +511,31 @@ class BatchDecoder:
         for seq in joiners:
             assert seq.cache is not None
             caches.append(seq.cache)
-        lengths = [batch_mask.sequence_length(c) for c in caches]
-        joiners_aligned = batch_mask.aligned_after_merge(lengths)
-        merged = [
-            caches[0][layer].merge([c[layer] for c in caches]) for layer in range(len(caches[0]))
-        ]
         last = mx.array([s.job.prompt_tokens[-1] for s in joiners], dtype=mx.uint32)
         for seq in joiners:
             seq.cache = None
         self._bias_stale = True
-        if not self.rows:
-            self._cache, self._inputs = merged, last
-            batch_mask.adopt(self._cache, joiners_aligned)
+        if not self.rows and len(joiners) == 1 and self._solo_rows:
+            self._cache, self._inputs, self.solo = caches[0], last, True
+        elif not self.rows or self.solo:
+            # A new batch, or the lone row and the joiners merged into one.
+            if self.solo:
+                caches.insert(0, self._cache)
+                last = mx.concatenate([self._inputs, last])
+            lengths = [batch_mask.sequence_length(c) for c in caches]
+            self._cache = [
+                caches[0][layer].merge([c[layer] for c in caches])
+                for layer in range(len(caches[0]))
+            ]
+            self._inputs, self.solo = last, False
+            batch_mask.adopt(self._cache, batch_mask.aligned_after_merge(lengths))
         else:
+            lengths = [batch_mask.sequence_length(c) for c in caches]
+            joiners_aligned = batch_mask.aligned_after_merge(lengths)
+            merged = [
+                caches[0][layer].merge([c[layer] for c in caches])
+                for layer in range(len(caches[0]))
+            ]
             aligned = batch_mask.aligned_after_extend(
                 self._cache, lengths[0] if joiners_aligned else None
             )

@@ -10,7 +10,10 @@ row on the batched route decoded at 0.64-0.74x the serialized route's speed on t
 `adopt` gives each layer's `BatchKVCache` one host-side fact more: `aligned`, True while no
 row has left padding. Then its `make_mask(N)` is None for one token (every cached position is
 visible to the row's query) and "causal" for several (the plain causal mask, what a lone row's
-speculative verification needs); otherwise mlx-lm's array mask. The fact is kept by the
+speculative verification needs); otherwise mlx-lm's array mask. (A lone row now decodes on a
+cache of its own, `BatchDecoder.solo`, with no batch mask at all; this still spares the array
+mask to rows of one length, and to a lone row where the traced batch step keeps it in the batch
+cache.) The fact is kept by the
 `BatchDecoder` from Python integers it already has, never by reading the padding back from the
 device (which would wait for the step in flight):
 - `aligned_after_merge`: the batch built from caches of equal lengths has no padding;
