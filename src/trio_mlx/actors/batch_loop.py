@@ -11,7 +11,8 @@ The loop, top to bottom, once per step while anything is live:
    cannot join the batch, see there why; they advance beside it, step for step);
 4. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
    measured time, held to a couple of decode steps while rows decode, so a long prompt arriving
-   does not stall the streams already decoding, more when many wait beside a small batch), its
+   does not stall the streams already decoding, more when many wait beside a small batch) —
+   the short prompts of several arrivals together in one pass (`batch_prefill`) —, its
    store-point snapshots, and the sequences whose prefill is complete join the batch.
 
 The protocol with Trio is the serialized route's (see `runner`): one `SequenceEvent` batch per
@@ -116,7 +117,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             results = batch.prefill(
                 pacer.chunk_tokens(decoding, waiting), pacer.budget_seconds(decoding, waiting)
             )
-            prefilled = 0
+            prefilled, grouped = 0, 0
             for pre in results:
                 seq = pre.seq
                 if pre.error is not None:
@@ -125,11 +126,16 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                     events.append(_row_event(seq, (), "error", pre.error))
                     continue
                 prefilled += pre.prefilled
+                grouped += pre.grouped
                 last = len(seq.job.prompt_tokens) - 1
                 for point in pre.store_points:
                     stores.append((seq, "prompt" if point == last else "system", point))
+            if grouped:
+                counters.prefill_groups += 1
+                counters.grouped_prefills += grouped
             if prefilled:
-                pacer.observe_chunk(prefilled, time.perf_counter() - chunk_began)
+                if not grouped:  # a pass of several prompts is faster per token than a chunk
+                    pacer.observe_chunk(prefilled, time.perf_counter() - chunk_began)
                 counters.prefill_chunks += 1
             counters.prompt_tokens += prefilled
             runner._emit(events, stores)

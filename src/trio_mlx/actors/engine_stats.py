@@ -104,6 +104,8 @@ def engine_stats(
             "media_steps": counters.media_steps,
             "steps": counters.steps,
             "prefill_chunks": counters.prefill_chunks,
+            "prefill_groups": counters.prefill_groups,
+            "grouped_prefills": counters.grouped_prefills,
             "decode_steps": counters.decode_steps,
             "prompt_tokens": counters.prompt_tokens,
             "generated_tokens": counters.generated_tokens,

@@ -81,6 +81,10 @@ class RunnerCounters:
 
     steps: int = 0
     prefill_chunks: int = 0
+    #: passes that prefilled several arrivals together, and the sequences in them (batched
+    #: route: `batch_prefill`)
+    prefill_groups: int = 0
+    grouped_prefills: int = 0
     decode_steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0

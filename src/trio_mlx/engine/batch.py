@@ -61,6 +61,7 @@ import mlx.core as mx
 
 from trio_mlx.engine import batch_mask
 from trio_mlx.engine.batch_constrained import choose_constrained
+from trio_mlx.engine.batch_prefill import choose_group, prefill_together
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
 from trio_mlx.engine.compiled_step import CompiledDecode
@@ -120,6 +121,8 @@ class PrefillResult:
     prefilled: int = 0
     store_points: tuple[int, ...] = ()
     error: str | None = None
+    #: prefilled in one pass with other arrivals (`batch_prefill`), not a chunk of its own
+    grouped: bool = False
 
 
 class QueuedStep:
@@ -149,8 +152,10 @@ class BatchDecoder:
     """The decode batch and the sequences waiting to join it (see the module docstring)."""
 
     #: a lone row decodes on its own cache (module docstring); False keeps it in a batch cache
-    #: like any other row (what `bench.lone_row --batch-cache` measures against)
+    #: like any other row (what `bench.lone_row` measures against)
     solo_rows = True
+    #: several arrivals' short prompts prefill in one pass (`batch_prefill`); False: one each
+    group_prefill = True
 
     def __init__(
         self,
@@ -481,10 +486,28 @@ class BatchDecoder:
     # ---- prefill ------------------------------------------------------------------------------
 
     def prefill(self, tokens: int, seconds: float) -> list[PrefillResult]:
-        """Prefill waiting sequences in admission order, a chunk each, until `tokens` prompt
-        tokens or `seconds` are spent. Ready sequences join only at `join()`."""
+        """Prefill waiting sequences until `tokens` prompt tokens or `seconds` are spent: first
+        the short prompts of several arrivals together in one pass where they can
+        (`batch_prefill`), then in admission order a chunk each. Ready sequences join only at
+        `join()`."""
         results: list[PrefillResult] = []
         began = time.perf_counter()
+        group = (
+            choose_group(self.waiting, tokens, self._plan.step, self._plan.block)
+            if self.group_prefill and not self._split
+            else []
+        )
+        if group:
+            try:
+                done = prefill_together(self._model, group, self._plan.block)
+            except Exception:
+                # Not attributable to one of them: each prefills alone below, where a failure
+                # fails only its own sequence (their caches are as they were).
+                pass
+            else:
+                for seq, (n, points) in zip(group, done, strict=True):
+                    tokens -= n
+                    results.append(PrefillResult(seq, n, points, grouped=True))
         for seq in list(self.waiting):
             if tokens <= 0 or time.perf_counter() - began >= seconds:
                 break

@@ -90,12 +90,24 @@ class BatchSequence:
         """The tokens this sequence's cache holds at a call boundary, in order."""
         return self.job.prompt_tokens[: self.prompt_done] + tuple(self.fed_generated)
 
+    def remaining_prompt(self) -> int:
+        """Prompt tokens still to prefill before it can join (all but the last)."""
+        return len(self.job.prompt_tokens) - 1 - self.prompt_done
+
+    def advance(self, n: int) -> tuple[int, ...]:
+        """`n` more prompt tokens are in the cache; return the store points now reached."""
+        self.prompt_done += n
+        reached = []
+        while self._store_points and self._store_points[0] <= self.prompt_done:
+            reached.append(self._store_points.pop(0))
+        return tuple(reached)
+
     def prefill_chunk(self, model: Any, limit: int) -> tuple[int, tuple[int, ...]]:
         """Run one chunk of at most `limit` prompt tokens (whole blocks, the last padded and cut
         back) on this sequence's own cache; return the tokens prefilled and the store points
         reached. Raises whatever the model raises."""
         assert self.cache is not None
-        remaining = len(self.job.prompt_tokens) - 1 - self.prompt_done
+        remaining = self.remaining_prompt()
         if remaining <= 0:
             return 0, ()
         block = self._plan.block
@@ -113,8 +125,4 @@ class BatchSequence:
             for layer in self.cache:
                 layer.trim(padding)
         mx.eval([c.state for c in self.cache])
-        self.prompt_done += n
-        reached = []
-        while self._store_points and self._store_points[0] <= self.prompt_done:
-            reached.append(self._store_points.pop(0))
-        return n, tuple(reached)
+        return n, self.advance(n)

@@ -1,0 +1,149 @@
+"""A long prompt arriving at a busy batch: the running streams' inter-token latency meanwhile.
+
+    python -m bench.long_arrival --models synthetic:llama-1b-bf16,synthetic:llama-8b-bf16 \\
+        --streams 16 --prompt-tokens 8192 --json $OUT/long-arrival.json       # on the H200
+    python -m bench.long_arrival --models tiny --streams 4 --prompt-tokens 1024 --repeats 1
+
+Issue 16's target: the ITL p99 of running streams while an 8k-token prompt is admitted at most
+3x their ITL p50. Through the engine API (in one process, `trio-mlx serve`'s settings, batching
+on): `--streams` greedy requests decode (EOS banned by a logit bias, so they run until
+cancelled); once each has given `--steady-tokens` tokens, their inter-token gaps are recorded
+for `--baseline-s` seconds (the baseline), then a request of `--prompt-tokens` random token ids
+arrives (`max_tokens` 1) and the gaps are recorded until its first token, and for
+`--after-s` seconds more. Reported per repeat: the baseline ITL p50, the ITL p50 / p99 / max of
+the running streams while the long prompt prefilled, the ratio p99 during / p50 baseline, the
+long prompt's time to first token and the prefill chunks it took. Gaps are measured where the
+tokens arrive (the consumer's task), so they include the event loop's own delays.
+Random weights: speed only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+from bench.models import resolve_subject
+
+from trio_mlx.engine.loading import LoadedModel, load_model
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea, with many details."
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    import trio_mlx
+    from trio_mlx.config import SERVER_PROCESS_SETTINGS
+
+    options: dict[str, Any] = {
+        **SERVER_PROCESS_SETTINGS,
+        "max_num_seqs": 64,
+        "cache_memory_bytes": 0,
+        "admission": "wait",
+        "max_waiting": 64,
+    }
+    ban_eos = {int(t): -100.0 for t in loaded.eos_token_ids}
+    arrivals: dict[int, list[float]] = {i: [] for i in range(args.streams)}
+    async with trio_mlx.open_engine("model", loader=lambda _spec: loaded, **options) as engine:
+        await engine.chat([{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0)
+        steady = trio.Event()
+
+        async def running(i: int) -> None:
+            messages = [{"role": "user", "content": f"{PROMPT} Story number {i}."}]
+            async for out in engine.stream_chat(
+                messages, max_tokens=100_000, temperature=0, logit_bias=ban_eos
+            ):
+                now = time.perf_counter()
+                arrivals[i].extend([now] * max(1, len(out.new_tokens)))
+                if all(len(a) >= args.steady_tokens for a in arrivals.values()):
+                    steady.set()
+
+        rng = random.Random(seed)
+        long_prompt = [rng.randrange(100, 40_000) for _ in range(args.prompt_tokens)]
+        result: dict[str, Any] = {}
+        with trio.move_on_after(args.deadline_s):
+            async with trio.open_nursery() as nursery:
+                for i in range(args.streams):
+                    nursery.start_soon(running, i)
+                await steady.wait()
+                baseline_from = time.perf_counter()
+                await trio.sleep(args.baseline_s)
+                arrived = time.perf_counter()
+                out = await engine.generate(long_prompt, max_tokens=1, temperature=0)
+                first = time.perf_counter()
+                await trio.sleep(args.after_s)
+                ended = time.perf_counter()
+                nursery.cancel_scope.cancel()
+
+                def gaps(lo: float, hi: float) -> list[float]:
+                    found: list[float] = []
+                    for times in arrivals.values():
+                        found += [b - a for a, b in itertools.pairwise(times) if lo <= b < hi]
+                    return found
+
+                base, during = gaps(baseline_from, arrived), gaps(arrived, first)
+                p50 = statistics.median(base)
+                result = {
+                    "baseline_itl_p50_ms": 1e3 * p50,
+                    "baseline_itl_p99_ms": 1e3 * percentile(base, 0.99),
+                    "during_itl_p50_ms": 1e3 * statistics.median(during),
+                    "during_itl_p99_ms": 1e3 * percentile(during, 0.99),
+                    "during_itl_max_ms": 1e3 * max(during),
+                    "p99_during_over_p50_baseline": percentile(during, 0.99) / p50,
+                    "after_itl_p50_ms": 1e3 * statistics.median(gaps(first, ended) or [0.0]),
+                    "long_prompt_ttft_ms": 1e3 * (first - arrived),
+                    "long_prompt_tokens": out.prompt_tokens,
+                    "gaps_during": len(during),
+                    "prefill_chunks": engine.get_stats()["runner"].get("prefill_chunks"),
+                }
+    if not result:
+        raise SystemExit(f"deadline of {args.deadline_s} s passed before the long prompt ended")
+    return result
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="synthetic:llama-1b-bf16,synthetic:llama-8b-bf16")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=8192)
+    parser.add_argument("--steady-tokens", type=int, default=32)
+    parser.add_argument("--baseline-s", type=float, default=1.5)
+    parser.add_argument("--after-s", type=float, default=0.5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=120.0, help="per repeat")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/trio-mlx-bench"))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    report: dict[str, Any] = {"command": " ".join(["python -m bench.long_arrival", *argv])}
+    for spec in args.models.split(","):
+        loaded = load_model(resolve_subject(spec, args.workdir).path)
+        runs = []
+        for repeat in range(args.repeats):
+            run = trio.run(one_repeat, loaded, args, repeat)
+            runs.append(run)
+            print(json.dumps({"model": spec, "repeat": repeat, **run}), flush=True)
+        ratios = [r["p99_during_over_p50_baseline"] for r in runs]
+        report[spec] = {"runs": runs, "median_ratio": statistics.median(ratios)}
+        print(json.dumps({spec: {"median_ratio": report[spec]["median_ratio"]}}), flush=True)
+        del loaded
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

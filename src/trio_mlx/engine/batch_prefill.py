@@ -1,0 +1,119 @@
+"""Several arrivals prefilled in one forward pass. Runs on the runner thread only, for
+`BatchDecoder.prefill`.
+
+Sequences waiting to join the batch prefill on caches of their own (`BatchSequence`). When many
+arrive together — a crowd of users, an agent's fan-out, a benchmark's burst — prefilling them one
+pass each costs a pass each, and on a GPU a pass over a short prompt costs about what a decode
+step costs (the device is launch-bound): 64 arrivals of 128 tokens were 64 passes before the
+first of them could join. `prefill_together` puts the rest of every short prompt of a group
+through the model in one pass:
+
+- their caches (each restored from the prefix cache, or empty) are merged into one batch cache,
+  left-padded to the longest cached prefix (mlx-lm's `KVCache.merge`), so that every row's next
+  position is the same column and RoPE sees each row at its own offset;
+- their remaining prompt tokens (all but the last: that one is the row's first decode input, as
+  for any sequence joining) are right-padded to the longest and fed as one (B, L) batch; a row's
+  real tokens never attend to its padding (it comes after them, and attention is causal), and
+  the padding's keys are cut off below;
+- each row's cache is then copied back out of the batch cache as a plain `KVCache` holding
+  exactly its prefix and its prompt (the `BatchSequence` joins the decode batch as usual, and its
+  store points' snapshots are taken from that cache).
+
+Where every cached prefix has one length the pass needs no array mask (rows are aligned: the
+plain causal mask), else mlx-lm's left-padding mask. Only plain `KVCache` layers are grouped: a
+rotating, quantized or recurrent cache (whose state would take the padding in) prefills alone.
+Each row's result is the model's for that row alone: the same products row by row, its own
+positions, only its own keys visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from trio_mlx.engine import batch_mask
+
+if TYPE_CHECKING:
+    from trio_mlx.engine.batch_sequence import BatchSequence
+
+#: a group's padded tokens (rows x longest) may be at most this many times its real tokens
+MAX_PADDING_FACTOR = 2.0
+
+
+def groupable(seq: BatchSequence) -> bool:
+    """Whether `seq` can prefill in a group: every layer of its cache a plain `KVCache`."""
+    return seq.cache is not None and all(type(layer) is KVCache for layer in seq.cache)
+
+
+def choose_group(
+    waiting: Sequence[BatchSequence], tokens: int, step: int, block: int
+) -> list[BatchSequence]:
+    """The sequences of `waiting` (in admission order) to prefill together in one pass: each
+    finishes its prefill there (at most `step` tokens left), their real tokens add up to at most
+    `tokens`, and the padded batch (rows x longest, in whole `block`s) stays within
+    `MAX_PADDING_FACTOR` of them. Fewer than two: none (one prefills alone as usual)."""
+    group: list[BatchSequence] = []
+    real = longest = 0
+    for seq in waiting:
+        left = seq.remaining_prompt()
+        if left <= 0 or left > step or not groupable(seq):
+            continue
+        if real + left > tokens:
+            break
+        padded = (len(group) + 1) * _whole_blocks(max(longest, left), block)
+        if group and padded > MAX_PADDING_FACTOR * (real + left):
+            continue
+        group.append(seq)
+        real += left
+        longest = max(longest, left)
+    return group if len(group) >= 2 else []
+
+
+def prefill_together(
+    model: Any, group: Sequence[BatchSequence], block: int
+) -> list[tuple[int, tuple[int, ...]]]:
+    """Prefill the rest of every prompt of `group` but its last token in one forward pass, each
+    row's cache left holding exactly its prefix and its prompt (module docstring); return each
+    sequence's tokens prefilled and store points reached. Raises whatever the model raises,
+    before any sequence changes."""
+    caches: list[list[Any]] = []
+    for seq in group:
+        assert seq.cache is not None
+        caches.append(seq.cache)
+    cached = [int(c[0].offset) for c in caches]
+    lefts = [seq.remaining_prompt() for seq in group]
+    width = _whole_blocks(max(lefts), block)
+    rows = []
+    for seq, n in zip(group, lefts, strict=True):
+        tokens = seq.job.prompt_tokens[seq.prompt_done : seq.prompt_done + n]
+        rows.append(list(tokens) + [tokens[-1]] * (width - n))
+    batch = [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    batch_mask.adopt(batch, batch_mask.aligned_after_merge(list(cached)))
+    model(mx.array(rows, dtype=mx.uint32), cache=batch)
+    longest = max(cached)
+    own: list[list[KVCache]] = []
+    for row, (before, n) in enumerate(zip(cached, lefts, strict=True)):
+        start = longest - before  # the row's left padding
+        own.append([_row_cache(layer, row, start, longest + n) for layer in batch])
+    mx.eval([c.state for cache in own for c in cache])
+    done = []
+    for seq, cache, n in zip(group, own, lefts, strict=True):
+        seq.cache = cache
+        done.append((n, seq.advance(n)))
+    return done
+
+
+def _row_cache(layer: Any, row: int, start: int, end: int) -> KVCache:
+    """Row `row`'s positions `start:end` of a batch cache layer, as a plain `KVCache`."""
+    cache = KVCache()
+    cache.keys = mx.contiguous(layer.keys[row : row + 1, :, start:end])
+    cache.values = mx.contiguous(layer.values[row : row + 1, :, start:end])
+    cache.offset = end - start
+    return cache
+
+
+def _whole_blocks(n: int, block: int) -> int:
+    return -(-n // block) * block

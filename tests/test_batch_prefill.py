@@ -1,0 +1,166 @@
+"""Several arrivals prefilled in one forward pass (`engine/batch_prefill.py`), on the tiny fp32
+model: the group's pass is one pass, each sequence's cache then holds exactly its prefix and
+prompt with the keys of a prefill alone, cached prefixes of different lengths take part, and
+every sequence's greedy tokens are mlx-lm's alone; what cannot be grouped prefills alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from model_wrappers import _Wrapped
+from trio_mlx.engine.batch import BatchDecoder
+from trio_mlx.engine.batch_prefill import choose_group
+from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+from trio_mlx.engine.loading import LoadedModel, load_model
+from trio_mlx.types import SamplingParams
+
+PROMPTS = [tuple(range(5, 5 + n)) for n in (9, 23, 14, 31)]
+
+
+class PassLog(_Wrapped):
+    """The real model, noting the shape (rows, tokens) of every multi-token pass."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.passes: list[tuple[int, int]] = []
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        if tokens.shape[1] > 1:
+            self.passes.append((int(tokens.shape[0]), int(tokens.shape[1])))
+        return self._inner(tokens, cache=cache)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(tiny_model_dir)
+
+
+def alone(loaded: LoadedModel, prompt: tuple[int, ...], n: int) -> list[int]:
+    steps = generate_step(mx.array(prompt), loaded.model, max_tokens=n)
+    return [int(token) for token, _ in steps]
+
+
+def prefix_cache(loaded: LoadedModel, tokens: tuple[int, ...]) -> list[Any]:
+    cache = make_prompt_cache(loaded.model)
+    loaded.model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def run(batch: BatchDecoder) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    while batch.busy:
+        if batch.waiting:
+            batch.prefill(4096, 60.0)
+            batch.join()
+        for result in batch.decode():
+            assert result.error is None
+            tokens.setdefault(result.seq.request_id, []).extend(result.tokens)
+    return tokens
+
+
+def decoder(model: Any, loaded: LoadedModel) -> BatchDecoder:
+    return BatchDecoder(
+        model,
+        frozenset(),
+        vocab_size=len(loaded.tokenizer),
+        plan=PrefillPlan(64),
+        split_at_store_points=False,
+    )
+
+
+def job(i: int, prompt: tuple[int, ...], max_tokens: int = 10, **kw: Any) -> GenerationJob:
+    return GenerationJob(i, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), **kw)
+
+
+def test_arrivals_prefill_in_one_pass_and_decode_as_alone(loaded: LoadedModel) -> None:
+    model = PassLog(loaded.model)
+    batch = decoder(model, loaded)
+    for i, prompt in enumerate(PROMPTS):
+        batch.add(job(i, prompt), None, 0)
+    results = batch.prefill(4096, 60.0)
+    assert model.passes == [(4, max(len(p) for p in PROMPTS) - 1)]
+    assert [r.prefilled for r in results] == [len(p) - 1 for p in PROMPTS]
+    assert all(r.grouped for r in results)
+    for seq, prompt in zip(batch.waiting, PROMPTS, strict=True):
+        assert seq.ready and seq.cache is not None
+        assert [type(c) for c in seq.cache] == [KVCache] * len(seq.cache)
+        # exactly its prompt but the last token, with the keys of a prefill of its own
+        own = prefix_cache(loaded, prompt[:-1])
+        for mine, reference in zip(seq.cache, own, strict=True):
+            assert mine.offset == len(prompt) - 1
+            keys = mine.keys[..., : mine.offset, :]
+            assert mx.allclose(keys, reference.keys[..., : reference.offset, :], atol=1e-5)
+    assert batch.join() == 4
+    tokens = run(batch)
+    assert [tokens[i] for i in range(4)] == [alone(loaded, p, 10) for p in PROMPTS]
+
+
+def test_cached_prefixes_of_different_lengths_take_part(loaded: LoadedModel) -> None:
+    model = PassLog(loaded.model)
+    batch = decoder(model, loaded)
+    cached = [0, 7, 3, 20]
+    for i, (prompt, n) in enumerate(zip(PROMPTS, cached, strict=True)):
+        cache = prefix_cache(loaded, prompt[:n]) if n else None
+        batch.add(job(i, prompt, store_points=(len(prompt) - 1,)), cache, n)
+    results = batch.prefill(4096, 60.0)
+    assert len(model.passes) == 1 and model.passes[0][0] == 4
+    assert [r.prefilled for r in results] == [
+        len(p) - 1 - n for p, n in zip(PROMPTS, cached, strict=True)
+    ]
+    assert [r.store_points for r in results] == [(len(p) - 1,) for p in PROMPTS]
+    batch.join()
+    tokens = run(batch)
+    assert [tokens[i] for i in range(4)] == [alone(loaded, p, 10) for p in PROMPTS]
+
+
+def test_what_cannot_be_grouped_prefills_alone(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One arrival: nothing to group.
+    batch = decoder(loaded.model, loaded)
+    batch.add(job(0, PROMPTS[0]), None, 0)
+    assert choose_group(batch.waiting, 4096, 64, 1) == []
+    # A prompt longer than a chunk (64 here) prefills by chunks; the short ones go together.
+    model = PassLog(loaded.model)
+    batch = decoder(model, loaded)
+    long = tuple(range(300, 400))
+    batch.add(job(0, PROMPTS[0]), None, 0)
+    batch.add(job(1, long), None, 0)
+    batch.add(job(2, PROMPTS[1]), None, 0)
+    assert [s.request_id for s in choose_group(batch.waiting, 4096, 64, 1)] == [0, 2]
+    tokens = run(batch)
+    assert model.passes[0] == (2, len(PROMPTS[1]) - 1)
+    assert (1, 64) in model.passes  # the long one's first chunk, alone
+    assert [tokens[0], tokens[1], tokens[2]] == [
+        alone(loaded, PROMPTS[0], 10),
+        alone(loaded, long, 10),
+        alone(loaded, PROMPTS[1], 10),
+    ]
+    # Switched off: one pass each.
+    monkeypatch.setattr(BatchDecoder, "group_prefill", False)
+    model = PassLog(loaded.model)
+    batch = decoder(model, loaded)
+    for i, prompt in enumerate(PROMPTS):
+        batch.add(job(i, prompt), None, 0)
+    batch.prefill(4096, 60.0)
+    assert [rows for rows, _ in model.passes] == [1, 1, 1, 1]
+
+
+def test_padding_is_bounded(loaded: LoadedModel) -> None:
+    """Short rests ride with a 60-token one only while the padded pass stays within twice the
+    real tokens: 60 + 3 (120 padded for 63), not 60 + 3 + 3 (180 for 66)."""
+    batch = decoder(loaded.model, loaded)
+    batch.add(job(0, tuple(range(5, 66))), None, 0)
+    batch.add(job(1, tuple(range(5, 9))), None, 0)
+    batch.add(job(2, tuple(range(9, 13))), None, 0)
+    batch.add(job(3, tuple(range(9, 70))), None, 0)
+    assert [s.request_id for s in choose_group(batch.waiting, 4096, 64, 1)] == [0, 1, 3]
+    # within a budget of 70 tokens: the first two only
+    assert [s.request_id for s in choose_group(batch.waiting, 70, 64, 1)] == [0, 1]
