@@ -1,6 +1,7 @@
 """Quantized layers that multiply many rows by their weight dequantized. Runner thread only.
 
-Why (MLX 0.32's CUDA backend; read in ml-explore/mlx, `mlx/backend/cuda/quantized/`):
+Why (MLX 0.32's CUDA backend, read in ml-explore/mlx `mlx/backend/cuda/quantized/` at 846d176,
+just after 0.32.2; the 0.32.4 CUDA wheel carries the same `qmm_sm80` and `qmm_sm90` kernels):
 `QuantizedMatmul::eval_gpu` (`quantized.cpp`) takes M = the input's second-to-last dimension
 and treats every dimension before it as a batch of separate matrices. On an H200 (compute
 capability 9) an affine 4-bit model of group size 64 gets
