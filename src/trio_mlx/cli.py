@@ -243,6 +243,15 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "decode step; default: on on a GPU for unquantized weights, else off)",
     )
     parser.add_argument(
+        "--dequantize-from-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="quantized layers multiply an input of at least N rows (sequences of a decode batch, "
+        "tokens of a prefill chunk) by their weight dequantized, a dense product, instead of "
+        "MLX's quantized kernel; 0: off (default: 8 on CUDA, else off)",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=int,
         default=None,

@@ -91,6 +91,12 @@ class EngineConfig:
       projections are not quantized (H200, the same bench: 1.07–1.44x the plain step on the
       bf16 shapes, 0.93–1.01x on 4-bit), off on the CPU (where arithmetic, not kernel
       launches, sets a step's time).
+    - `dequantize_from_rows`: a quantized layer multiplies an input of at least this many rows
+      (the sequences of a decode batch, the tokens of a prefill chunk) by its weight dequantized
+      for the one product, a dense matrix product, instead of MLX's quantized kernel, whose cost
+      on CUDA grows with every row (`engine/quantized_rows.py` says why); fewer rows take the
+      quantized kernel. Also the draft and SpecPrefill scoring models. None: 8 on MLX's CUDA
+      backend (`quantized_rows.CUDA_DEQUANTIZE_FROM_ROWS`), off elsewhere; 0: off.
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):
@@ -118,6 +124,7 @@ class EngineConfig:
     prefill_chunk_seconds: float = 0.25
     compiled_decode: bool | None = None
     fused_projections: bool | None = None
+    dequantize_from_rows: int | None = None
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None
     force_mllm: bool = False
@@ -168,6 +175,12 @@ class EngineConfig:
             raise ValueError("cache_memory_bytes must be an integer >= 0 (0 disables the cache)")
         if self.gil_switch_interval is not None and not self.gil_switch_interval > 0:
             raise ValueError("gil_switch_interval must be > 0 seconds (or None)")
+        if self.dequantize_from_rows is not None and (
+            isinstance(self.dequantize_from_rows, bool)
+            or not isinstance(self.dequantize_from_rows, int)
+            or self.dequantize_from_rows < 0
+        ):
+            raise ValueError("dequantize_from_rows must be an integer >= 0 (0: off) or None")
         if self.cuda_sdpa_graph_cache is not None and self.cuda_sdpa_graph_cache < 1:
             raise ValueError("cuda_sdpa_graph_cache must be >= 1 (or None)")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

@@ -8,7 +8,8 @@ meanwhile: see `Runner._run_thread`):
    model), each checked against the target (`speculative.check_draft`). Raises the load's error
    (`ModelLoadError`), which `Runner.run` raises before `started`.
 2. `prepare_serving`: the fast decode step (`fast_decode.prepare_fast_decode`: fused projections,
-   the traced step; none with a drafter, whose steps verify several tokens), the `ModelInfo`,
+   quantized layers dequantizing for many rows, the traced step; none with a drafter, whose
+   steps verify several tokens), the same routing for the scoring model, the `ModelInfo`,
    the prefill plan and its pacer (calibrated by the cache probe's timed pass), the KV bytes per
    token, the route (batched only for `max_num_seqs > 1`, a cache that can be merged and a
    text-only model) and the `Speculator`.
@@ -31,6 +32,7 @@ from trio_mlx.engine.fast_decode import prepare_fast_decode
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.mtp import MtpDrafter
+from trio_mlx.engine.quantized_rows import apply_threshold
 from trio_mlx.engine.scheduling import PrefillPacer
 from trio_mlx.engine.speculative import Speculator, check_draft
 
@@ -53,6 +55,8 @@ class StartOptions:
     prefill_chunk_seconds: float
     compiled_decode: bool | None
     fused_projections: bool | None
+    #: rows from which quantized layers dequantize (`quantized_rows`; None: the backend's default)
+    dequantize_from_rows: int | None
     draft_model: str | Path | None
     #: native MTP: the model's own multi-token-prediction head drafts (`engine/mtp.py`)
     mtp: bool
@@ -125,9 +129,16 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
         log.info("compiled decode off: a draft model verifies several tokens a step")
     # With a draft, decode steps are the speculator's (several tokens a pass): no traced step.
     compiled_option = False if draft is not None else options.compiled_decode
-    compiled = prepare_fast_decode(loaded.model, compiled_option, options.fused_projections)
+    rows = options.dequantize_from_rows
+    compiled = prepare_fast_decode(
+        loaded.model, compiled_option, options.fused_projections, dequantize_from_rows=rows
+    )
     if draft is not None and not options.mtp:  # a draft model's steps are launch-bound too
-        prepare_fast_decode(draft.model, False, options.fused_projections)
+        prepare_fast_decode(
+            draft.model, False, options.fused_projections, dequantize_from_rows=rows
+        )
+    if models.scorer is not None:  # scores whole prompts: many rows a pass
+        apply_threshold(models.scorer, rows)
     info = describe(loaded, options.max_kv_size)
     plan = PrefillPlan.choose(
         options.prefill_step_size,

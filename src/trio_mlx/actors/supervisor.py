@@ -70,6 +70,7 @@ async def _serve(
         prefill_chunk_seconds=cfg.prefill_chunk_seconds,
         compiled_decode=cfg.compiled_decode,
         fused_projections=cfg.fused_projections,
+        dequantize_from_rows=cfg.dequantize_from_rows,
         loader=loader,
         draft_model=cfg.draft_model,
         num_draft_tokens=cfg.num_draft_tokens,

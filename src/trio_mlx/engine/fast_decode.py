@@ -1,5 +1,5 @@
-"""What `EngineConfig.compiled_decode` and `EngineConfig.fused_projections` turn on for a loaded
-model. Runner thread only.
+"""What `EngineConfig.compiled_decode`, `EngineConfig.fused_projections` and
+`EngineConfig.dequantize_from_rows` turn on for a loaded model. Runner thread only.
 
 - fused q/k/v and gate/up projections (`fused.fuse_projections`): two matrix products a layer
   where there were five. `fused_projections` None: on where MLX runs on a GPU, where a decode
@@ -16,6 +16,12 @@ model. Runner thread only.
   than the plain step is built and dispatched (the same bench: 0.60–0.93x the plain step's
   tok/s, the fused model's traced step 0.71–0.99x the fused model's plain one), so it stays an
   experiment (docs/benchmarks/README.md, "Compiled decode").
+- quantized layers that multiply an input of many rows by their dequantized weight
+  (`quantized_rows.route_rows`; `dequantize_from_rows` None: on MLX's CUDA backend only).
+
+The order matters: projections are fused first (fusion joins plain quantized layers only), then
+the quantized layers routed by rows (the fused ones included), then the step traced (a trace keeps
+the branch its rows took).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 
 from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
 from trio_mlx.engine.fused import fuse_projections
+from trio_mlx.engine.quantized_rows import apply_threshold
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +64,18 @@ def default_fused_projections(model: Any) -> bool:
 
 
 def prepare_fast_decode(
-    model: Any, enabled: bool | None, fused: bool | None = None
+    model: Any,
+    enabled: bool | None,
+    fused: bool | None = None,
+    *,
+    dequantize_from_rows: int | None = None,
 ) -> CompiledDecode | None:
-    """Apply the options to `model` (in place: fused projections, when `fused` or `enabled`
-    resolve to on) and return its traced decode step, warmed up (`CompiledDecode.warm_up`:
-    every bucket up to 4,096 positions traced at load, not in a request), or None where it is
-    off, the model cannot take it or the warm-up step fails (logged once; the plain step
-    serves)."""
+    """Apply the options to `model` in place (fused projections, when `fused` or `enabled`
+    resolve to on; quantized layers routed by rows from `dequantize_from_rows` on: None is the
+    backend's default, 0 off, as `quantized_rows.resolve_threshold` says) and return its traced
+    decode step, warmed up (`CompiledDecode.warm_up`: every bucket up to 4,096 positions traced
+    at load, not in a request), or None where it is off, the model cannot take it or the
+    warm-up step fails (logged once; the plain step serves)."""
     if enabled is None:
         enabled = default_compiled_decode()
     if fused is None:
@@ -71,8 +83,10 @@ def prepare_fast_decode(
     if not enabled:
         if fused:
             log.info("fused projection groups: %d", fuse_projections(model))
+        apply_threshold(model, dequantize_from_rows)
         return None
     groups = fuse_projections(model)
+    apply_threshold(model, dequantize_from_rows)
     reason = unsupported_reason(model)
     if reason is not None:
         log.info("compiled decode off: %s (fused projection groups: %d)", reason, groups)
