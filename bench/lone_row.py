@@ -101,7 +101,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         for key, label in (("ratio", "batched"), ("batch_cache_ratio", "batch_cache")):
             q1, med, q3 = quartiles([p[key] for p in pairs])
             report[spec][f"{label}_over_serialized"] = {"median": med, "q1": q1, "q3": q3}
-        print(json.dumps({spec: report[spec]}, indent=1), flush=True)
+        summary_only = {k: v for k, v in report[spec].items() if k != "pairs"}
+        print(json.dumps({spec: summary_only}, indent=1), flush=True)
         del loaded
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
