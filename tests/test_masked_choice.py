@@ -170,16 +170,18 @@ async def test_each_request_writes_what_the_plain_operations_write(
         assert_valid(got.text)
 
 
+@pytest.mark.parametrize("sampled", [True, False], ids=["mixed", "all-greedy"])
 async def test_constrained_rows_together_write_what_the_plain_operations_write(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, sampled: bool
 ) -> None:
     other = OutputFormat.regex(r"(yes|no)( indeed)?")
     base = {"max_tokens": 120, "output_format": FORMAT}
+    last = {"temperature": 1.0, "seed": 9} if sampled else {"temperature": 0.0}
     jobs = [
         ("Describe a person.", {**base, "temperature": 0.0}),
         ("Another person.", {**base, "temperature": 0.0, "logprobs": True, "top_logprobs": 2}),
         ("Well?", {"max_tokens": 20, "temperature": 0.0, "output_format": other}),
-        ("Someone else.", {**base, "temperature": 1.0, "seed": 9}),
+        ("Someone else.", {**base, **last}),
     ]
     forced = count_forced(monkeypatch)
     got, stats = await decode_together(tiny_model_dir, monkeypatch, jobs)

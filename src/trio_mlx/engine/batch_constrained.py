@@ -13,8 +13,9 @@ ends it (`stop`) at once (`BatchDecoder._read`).
 
 The masked choice costs as little dispatch as it can (`structured/masked_choice`): a greedy row
 whose mask allows a single token takes it with no device work; other greedy rows share one
-fused masked argmax (two kernels); when every row of the step is one of these, their tokens
-are the step's tokens as they come, without gathering pieces.
+fused masked argmax (two kernels). When every row of the step is such a greedy row, the step's
+tokens come whole, without gathering a piece per row (a kernel each): from the host when every
+mask forces its token, else from one masked argmax over every row.
 
 A row whose grammar cannot go on (`GrammarViolation` computing its mask) fails alone: its
 `failure` is set and reported at the next read.
@@ -79,6 +80,10 @@ def choose_constrained(queued: QueuedStep, choose_row: RowChooser) -> Any:
         width = queued.logits.shape[-1]
         forced = masked_choice.forced_tokens(np.concatenate([masks[i] for i in simple]), width)
         known = {i: token for i, token in zip(simple, forced, strict=True) if token is not None}
+        if len(simple) == len(pieces) and len(known) < len(simple):
+            # Every row is of these and some are not forced: one masked argmax over the whole
+            # step (it picks the forced tokens too) beats gathering a piece per row.
+            known = {}
         _log_forced(queued, known)
     argmax_rows = [i for i in simple if i not in known]
     chosen = _choose_greedy_masked(queued, argmax_rows, masks) if argmax_rows else None
