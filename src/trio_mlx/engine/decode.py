@@ -371,7 +371,7 @@ class ActiveSequence:
         mask, then the sampler. Greedy under a grammar with nothing else shaping the choice:
         the token the mask forces when it allows one (no device work), else the fused masked
         argmax (`masked_choice`)."""
-        if self._grammar is not None and self._mask_alone:
+        if self._grammar is not None and self._greedy_alone:
             words = self._grammar.allowed_words()[None]
             (forced,) = masked_choice.forced_tokens(words, raw.shape[-1])
             if forced is None:
@@ -393,7 +393,7 @@ class ActiveSequence:
         return self._pending(raw, token)
 
     @property
-    def _mask_alone(self) -> bool:
+    def _greedy_alone(self) -> bool:
         """Greedy with no processor, bias or penalty: only a grammar's mask shapes the choice."""
         return not self._processors and self._selector.greedy and not self._selector.adjusts_logits
 

@@ -21,10 +21,10 @@ kernels and three copies a step: 302 µs evaluated alone against 67 µs for the 
 Contract: `masked_logits(logits, words)` equals `apply_token_mask(logits, words)` element for
 element (same dtype, same -inf), so `masked_argmax` and any sampler choose exactly the tokens
 they chose from it; `forced_tokens` names a token only when it is the single one the mask allows
-below the logits' width (and so what the argmax of the masked logits is, whatever they hold,
-unless the model's own logit for it is -inf or NaN: then the plain-ops argmax picks token 0,
-which the grammar would refuse). tests/test_masked_choice.py checks this against
-`apply_token_mask`.
+below the logits' width, and so what the argmax of the masked logits is whatever they hold
+(unless the model's own logit for it is -inf or NaN: there the plain operations' argmax could
+name a token the mask does not allow, which the grammar would then refuse).
+tests/test_masked_choice.py checks all this against `apply_token_mask`.
 
 Shapes: `logits` (rows, width) of any float dtype; `words` a numpy uint32 array (rows,
 mask_words) from `GrammarMatcher.allowed_words` / `allowed_words_of`. Tokens past the mask are
