@@ -9,19 +9,26 @@ see bench/models.py; synthetic models carry the SmolLM2 tokenizer, 49,152 tokens
    cached; the tokenizer's one-off conversion is timed apart. outlines-core's index for the same
    schema is timed too when it is importable (`--outlines-path` adds a directory to sys.path).
 2. per token, in isolation: along the tokens of a generated answer, the matcher's mask
-   computation on the CPU (`allowed_words`) and `consume`, and on the device the masked choice
-   (`apply_token_mask` + argmax, evaluated) against the plain argmax, on logits of the model's
-   width and dtype;
-3. end to end: the engine's decode time per token for a request under the schema against the
-   same request unconstrained, with the same number of tokens (EOS ignored), interleaved,
-   `--repeats` times; the first token is left out (it carries the prefill).
+   computation on the CPU (`allowed_words`) and `consume`, and on the device, on logits of the
+   model's width and dtype, four choices, each timed as building its graph, queuing it
+   (`mx.async_eval`: the host's dispatch) and waiting for it: the masked choice in plain
+   operations (`apply_token_mask` + argmax: how it was chosen before `masked_choice`), the fused
+   masked argmax (`masked_choice.masked_argmax`), the choice as the engine makes it for a greedy
+   row (the token the mask forces when it allows one, no device work; else the fused argmax),
+   and the plain argmax. Also how many of the answer's masks force a token;
+3. end to end: the engine's decode time per token (the first token left out: it carries the
+   prefill) for a request under the schema, the same request unconstrained with as many tokens
+   (EOS ignored), and the constrained request with the masked choice in plain operations and
+   no forced-token shortcut, as it was made before `masked_choice` ("before"), interleaved
+   `--repeats` times, each repeat starting one further.
 
     python -m bench.constrained --model tiny --out docs/benchmarks/2026-12-04-cpu-constrained-tiny
     python -m bench.constrained --model synthetic:llama-1b-bf16 --repeats 5 \\
         --out docs/benchmarks/2026-12-04-h200-constrained-llama-1b-bf16
 
 Writes OUT.json (every row, the machine, versions, the command) and OUT.md (the table);
-`--render OUT.json` writes the table again from an earlier run.
+`--render OUT.json` writes the table again from an earlier run (runs from before the fused
+choice render without its rows).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +51,7 @@ from bench.models import resolve_subject
 
 import trio_mlx
 from trio_mlx.engine.loading import LoadedModel, load_model
-from trio_mlx.structured import GrammarCompiler, OutputFormat
+from trio_mlx.structured import GrammarCompiler, OutputFormat, masked_choice
 from trio_mlx.structured.matcher import apply_token_mask
 
 
@@ -144,29 +152,93 @@ def measure_outlines(tokenizer: Any, schema: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def plain_masked_argmax(logits: Any, words: Any) -> Any:
+    """The masked choice in plain operations: how it was made before `masked_choice`."""
+    import mlx.core as mx
+
+    return mx.argmax(apply_token_mask(logits, words), -1)
+
+
+def plain_argmax(logits: Any) -> Any:
+    """An unconstrained greedy choice."""
+    import mlx.core as mx
+
+    return mx.argmax(logits, -1)
+
+
+def engine_greedy_choice(logits: Any, words: Any) -> Any:
+    """A greedy row's choice as the engine makes it: the forced token, else the fused argmax."""
+    import mlx.core as mx
+
+    (forced,) = masked_choice.forced_tokens(words, logits.shape[-1])
+    if forced is None:
+        return masked_choice.masked_argmax(logits, words)
+    return mx.array([forced], dtype=mx.uint32)
+
+
+@contextlib.contextmanager
+def plain_operations() -> Iterator[None]:
+    """The engine's masked choice in plain operations, without the forced-token shortcut, while
+    inside (the runner thread looks the functions up at every step)."""
+    saved = {
+        name: getattr(masked_choice, name)
+        for name in ("forced_tokens", "masked_argmax", "masked_logits")
+    }
+    masked_choice.forced_tokens = lambda words, width: [None] * len(words)  # type: ignore[assignment]
+    masked_choice.masked_argmax = plain_masked_argmax  # type: ignore[assignment]
+    masked_choice.masked_logits = apply_token_mask  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masked_choice, name, value)
+
+
+#: the choices timed per token: (name in the report, function of (logits, words (1, n)))
+CHOICES: tuple[tuple[str, Any], ...] = (
+    ("plain_ops", plain_masked_argmax),
+    ("fused", masked_choice.masked_argmax),
+    ("engine", engine_greedy_choice),
+    ("argmax", lambda logits, words: plain_argmax(logits)),
+)
+
+
 def measure_masks(
     tokenizer: Any, schema: dict[str, Any], tokens: list[int], width: int, dtype: Any
 ) -> dict[str, Any]:
-    """Per token along `tokens`: CPU mask + consume, device masked choice vs plain argmax."""
+    """Per token along `tokens`: CPU mask + consume; on the device each of `CHOICES`, its host
+    time to build and queue it and its time evaluated alone."""
     import mlx.core as mx
 
     compiled = GrammarCompiler(tokenizer).compile(OutputFormat.json_schema(schema))
     matcher = compiled.matcher()
     logits = mx.random.normal((1, width)).astype(dtype)
     mx.eval(logits)
-    mask_s, consume_s, masked_s, plain_s = [], [], [], []
-    for _ in range(3):  # warm the device kernels
-        mx.eval(mx.argmax(apply_token_mask(logits, matcher.allowed_words()[None]), -1))
+    mask_s, consume_s = [], []
+    build: dict[str, list[float]] = {name: [] for name, _ in CHOICES}
+    queue: dict[str, list[float]] = {name: [] for name, _ in CHOICES}
+    alone: dict[str, list[float]] = {name: [] for name, _ in CHOICES}
+    forced = 0
+    warm = matcher.allowed_words()[None]
+    for _ in range(3):  # warm the device kernels (and trace the fused ones)
+        for _, choose in CHOICES:
+            mx.eval(choose(logits, warm))
     for token in tokens:
         began = time.perf_counter()
-        words = matcher.allowed_words()
+        words = matcher.allowed_words()[None]
         mask_s.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        mx.eval(mx.argmax(apply_token_mask(logits, words[None]), -1))
-        masked_s.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        mx.eval(mx.argmax(logits, -1))
-        plain_s.append(time.perf_counter() - began)
+        forced += masked_choice.forced_tokens(words, width)[0] is not None
+        for name, choose in CHOICES:
+            began = time.perf_counter()
+            chosen = choose(logits, words)
+            built = time.perf_counter()
+            mx.async_eval(chosen)
+            queued = time.perf_counter()
+            mx.eval(chosen)
+            done = time.perf_counter()
+            build[name].append(built - began)
+            queue[name].append(queued - built)
+            alone[name].append(done - began)
         began = time.perf_counter()
         matcher.consume(token)
         consume_s.append(time.perf_counter() - began)
@@ -174,11 +246,26 @@ def measure_masks(
             break
     return {
         "tokens": len(mask_s),
+        "forced_tokens": forced,
         "mask_us": [s * 1e6 for s in mask_s],
         "consume_us": [s * 1e6 for s in consume_s],
-        "masked_choice_us": [s * 1e6 for s in masked_s],
-        "plain_choice_us": [s * 1e6 for s in plain_s],
+        "masked_choice_us": [s * 1e6 for s in alone["plain_ops"]],
+        "plain_choice_us": [s * 1e6 for s in alone["argmax"]],
+        "choices": {
+            name: {
+                "build_us": [s * 1e6 for s in build[name]],
+                "queue_us": [s * 1e6 for s in queue[name]],
+                "alone_us": [s * 1e6 for s in alone[name]],
+            }
+            for name, _ in CHOICES
+        },
     }
+
+
+#: run in every repeat (each repeat starting one further along): unconstrained; under the schema;
+#: under it with the masked choice in plain operations and no forced-token shortcut
+#: (`plain_operations`)
+SYSTEMS = ("plain", "constrained", "before")
 
 
 async def decode_run(
@@ -222,10 +309,10 @@ async def main(args: argparse.Namespace) -> None:
         n = warm["tokens"]
         await decode_run(engine, messages, n, None)
         for repeat in range(args.repeats):
-            for system in ("plain", "constrained"):
-                row = await decode_run(
-                    engine, messages, n, fmt if system == "constrained" else None
-                )
+            turn = repeat % len(SYSTEMS)  # each system goes first in turn
+            for system in SYSTEMS[turn:] + SYSTEMS[:turn]:
+                with plain_operations() if system == "before" else contextlib.nullcontext():
+                    row = await decode_run(engine, messages, n, None if system == "plain" else fmt)
                 row.update(system=system, repeat=repeat)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "text"}), flush=True)
@@ -278,18 +365,41 @@ def versions() -> dict[str, str]:
     return found
 
 
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def repeat_ratios(rows: list[dict[str, Any]], system: str, base: str) -> list[float]:
+    """Per repeat, `system`'s decode time per token over `base`'s (runs interleaved)."""
+    by_repeat: dict[int, dict[str, float]] = {}
+    for row in rows:
+        by_repeat.setdefault(row["repeat"], {})[row["system"]] = row["per_token_ms"]
+    return [
+        times[system] / times[base]
+        for times in by_repeat.values()
+        if system in times and base in times
+    ]
+
+
+#: the per-token choices of `measure_masks`, as the report names them
+CHOICE_LABELS = {
+    "plain_ops": "masked choice in plain operations (before: unpack, where, argmax)",
+    "fused": "fused masked argmax (`masked_choice.masked_argmax`)",
+    "engine": "a greedy row's choice as the engine makes it (forced token, else fused)",
+    "argmax": "plain argmax (unconstrained)",
+}
+
+
 def render(report: dict[str, Any]) -> str:
     rows = report["decode_rows"]
     plain = [r["per_token_ms"] for r in rows if r["system"] == "plain"]
     constrained = [r["per_token_ms"] for r in rows if r["system"] == "constrained"]
-    ratios = [
-        c["per_token_ms"] / p["per_token_ms"] for p, c in zip(rows[0::2], rows[1::2], strict=True)
-    ]
+    before = [r["per_token_ms"] for r in rows if r["system"] == "before"]
+    ratios = repeat_ratios(rows, "constrained", "plain")
     masks = report["masks"]
     comp = report["compile"]
     step_ms = median(plain)
     mask_us, consume_us = median(masks["mask_us"]), median(masks["consume_us"])
-    masked_us, plain_us = median(masks["masked_choice_us"]), median(masks["plain_choice_us"])
     host_us = mask_us + consume_us
     machine = report["machine"]
     lines = [
@@ -311,14 +421,56 @@ def render(report: dict[str, Any]) -> str:
         "| --- | --- |",
         f"| plain decode step (engine, greedy) | {step_ms:.3f} ms |",
         f"| constrained decode step (engine, same tokens count) | {median(constrained):.3f} ms |",
-        f"| constrained / plain, interleaved pairs (median of {len(ratios)}) "
-        f"| {median(ratios):.3f} |",
+        f"| constrained / plain, interleaved (median of {len(ratios)}) | {median(ratios):.3f} |",
+    ]
+    if before:
+        before_ratios = repeat_ratios(rows, "before", "plain")
+        gains = repeat_ratios(rows, "constrained", "before")
+        lines += [
+            f"| constrained decode step before (plain operations, no forced tokens) "
+            f"| {median(before):.3f} ms |",
+            f"| before / plain, interleaved (median of {len(before_ratios)}) "
+            f"| {median(before_ratios):.3f} |",
+            f"| constrained / before, interleaved (median of {len(gains)}) | {median(gains):.3f} |",
+        ]
+    lines += [
         f"| mask computation on the CPU (llguidance) | {mask_us:.1f} µs |",
         f"| advancing the matcher (consume) | {consume_us:.1f} µs |",
-        f"| masked choice, evaluated alone (unpack + where + argmax) | {masked_us:.1f} µs |",
-        f"| plain argmax, evaluated alone | {plain_us:.1f} µs |",
         f"| host work a token (mask + consume) / plain step "
         f"| {host_us / 1e3 / step_ms * 100:.2f} % |",
+    ]
+    choices = masks.get("choices")
+    if choices is None:  # a run from before the fused choice
+        lines += [
+            f"| masked choice, evaluated alone (unpack + where + argmax) "
+            f"| {median(masks['masked_choice_us']):.1f} µs |",
+            f"| plain argmax, evaluated alone | {median(masks['plain_choice_us']):.1f} µs |",
+        ]
+    else:
+        engine = choices["engine"]
+        engine_host = mean(engine["build_us"]) + mean(engine["queue_us"])
+        lines += [
+            f"| masks that force a token (one allowed: no device work for a greedy row) "
+            f"| {masks['forced_tokens']} of {masks['tokens']} |",
+            f"| host work a token with the engine's choice (mask + consume + its build and "
+            f"queue, mean) / plain step | {(host_us + engine_host) / 1e3 / step_ms * 100:.2f} % |",
+            "",
+            "The choice on the device, per token along the answer (µs, median / mean): building "
+            "its graph and queuing it (`mx.async_eval`: MLX's dispatch) are host time, which "
+            "is what a host-bound decode step pays; evaluated alone adds the wait for the "
+            "device.",
+            "",
+            "| choice | build | queue | evaluated alone |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, label in CHOICE_LABELS.items():
+            c = choices[name]
+            cells = " | ".join(
+                f"{median(c[key]):.1f} / {mean(c[key]):.1f}"
+                for key in ("build_us", "queue_us", "alone_us")
+            )
+            lines.append(f"| {label} | {cells} |")
+    lines += [
         "",
         "Grammar compile, 20-field schema (median of "
         f"{len(comp['llguidance_compile_ms'])}): llguidance "

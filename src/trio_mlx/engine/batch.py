@@ -73,7 +73,8 @@ from trio_mlx.engine.decode import (
 )
 from trio_mlx.engine.sampling import logprob_arrays
 from trio_mlx.engine.speculative import Speculator
-from trio_mlx.structured.matcher import GrammarViolation, apply_token_mask
+from trio_mlx.structured import masked_choice
+from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
@@ -340,7 +341,7 @@ class BatchDecoder:
         if seq.selector.adjusts_logits:
             logits = seq.selector.adjust(logits)
         if words is not None:
-            logits = apply_token_mask(logits, words)
+            logits = masked_choice.masked_logits(logits, words)
         token = seq.selector.choose(logits)
         if seq.processors:
             seq.history = mx.concatenate([seq.history, token.astype(mx.int32)])

@@ -11,6 +11,12 @@ pass) and their masked choices, and so the next step's inputs, are queued behind
 Unconstrained rows never wait for a mask; a constrained row's token that completes its grammar
 ends it (`stop`) at once (`BatchDecoder._read`).
 
+The masked choice costs as little dispatch as it can (`structured/masked_choice`): a greedy row
+whose mask allows a single token takes it with no device work; other greedy rows share one
+fused masked argmax (two kernels). When every row of the step is such a greedy row, the step's
+tokens come whole, without gathering a piece per row (a kernel each): from the host when every
+mask forces its token, else from one masked argmax over every row.
+
 A row whose grammar cannot go on (`GrammarViolation` computing its mask) fails alone: its
 `failure` is set and reported at the next read.
 """
@@ -20,10 +26,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from trio_mlx.engine.decode import PendingToken
 from trio_mlx.engine.sampling import logprob_arrays
-from trio_mlx.structured.matcher import GrammarViolation, allowed_words_of, apply_token_mask
+from trio_mlx.structured import masked_choice
+from trio_mlx.structured.matcher import GrammarViolation, allowed_words_of
 
 if TYPE_CHECKING:
     from trio_mlx.engine.batch import QueuedStep
@@ -50,8 +58,11 @@ def choose_constrained(queued: QueuedStep, choose_row: RowChooser) -> Any:
     the previous step read) and queue the step's tokens; return them (shape (B,), lazy; also
     `queued.tokens`): the next step's inputs.
 
-    Their masks are computed together (in parallel); rows that are greedy with nothing else to
-    apply are chosen by one masked argmax, the others each on their own row (`choose_row`)."""
+    Their masks are computed together (in parallel). Rows that are greedy with nothing but the
+    mask shaping their choice take the token their mask forces, when it allows only one, with
+    no device work (`masked_choice.forced_tokens`); the others of them are chosen by one masked
+    argmax (`masked_choice.masked_argmax`). Every other constrained row is chosen on its own
+    (`choose_row`, which masks with `masked_choice.masked_logits`)."""
     pieces = queued.pieces
     assert pieces is not None
     waiting = [i for i, p in enumerate(pieces) if p is None and not queued.rows[i].removed]
@@ -64,10 +75,21 @@ def choose_constrained(queued: QueuedStep, choose_row: RowChooser) -> Any:
         except GrammarViolation:
             pass  # each row finds its own failure below
     simple = [i for i in waiting if i in masks and _greedy_alone(queued.rows[i])]
-    if len(simple) > 1:
-        _choose_greedy_masked(queued, simple, masks)
+    known: dict[int, int] = {}  # rows whose token the host has: forced, failed or gone
+    if simple:
+        width = queued.logits.shape[-1]
+        forced = masked_choice.forced_tokens(np.concatenate([masks[i] for i in simple]), width)
+        known = {i: token for i, token in zip(simple, forced, strict=True) if token is not None}
+        if len(simple) == len(pieces) and len(known) < len(simple):
+            # Every row is of these and some are not forced: one masked argmax over the whole
+            # step (it picks the forced tokens too) beats gathering a piece per row.
+            known = {}
+        _log_forced(queued, known)
+    argmax_rows = [i for i in simple if i not in known]
+    chosen = _choose_greedy_masked(queued, argmax_rows, masks) if argmax_rows else None
+    taken = set(argmax_rows)
     for i in waiting:
-        if pieces[i] is not None:
+        if i in known or i in taken:
             continue
         seq = queued.rows[i]
         row_words = masks.get(i)
@@ -77,37 +99,64 @@ def choose_constrained(queued: QueuedStep, choose_row: RowChooser) -> Any:
                 row_words = seq.grammar.allowed_words()[None]
             except GrammarViolation as exc:
                 seq.failure = f"{type(exc).__name__}: {exc}"
-                pieces[i] = mx.zeros((1,), dtype=mx.uint32)
+                known[i] = 0
                 continue
         raw = queued.logits[i : i + 1]
         pieces[i] = choose_row(i, seq, raw, None, queued.logprobs, row_words)
-    for i, piece in enumerate(pieces):
-        if piece is None:  # left since (finished or aborted): its token is never read
-            pieces[i] = mx.zeros((1,), dtype=mx.uint32)
-    tokens = mx.concatenate(pieces)
+    if chosen is not None and len(argmax_rows) == len(pieces):
+        tokens = chosen  # every row chosen by the one masked argmax
+    else:
+        if chosen is not None:
+            for k, i in enumerate(argmax_rows):
+                pieces[i] = chosen[k : k + 1]
+        tokens = _step_tokens(pieces, known)
     queued.tokens = tokens
     queued.logits = queued.pieces = None
     mx.async_eval(tokens, *(a for p in queued.logprobs.values() for a in p.arrays()))
     return tokens
 
 
-def _choose_greedy_masked(queued: QueuedStep, rows: list[int], masks: dict[int, Any]) -> None:
-    """One masked argmax for the constrained `rows` of `queued` (greedy, nothing else)."""
-    import numpy as np
-
-    pieces = queued.pieces
-    assert pieces is not None
-    words = np.concatenate([masks[i] for i in rows])
-    masked = apply_token_mask(queued.logits[mx.array(rows)], words)
-    chosen = mx.argmax(masked, -1).astype(mx.uint32)
-    for k, i in enumerate(rows):
-        token = chosen[k : k + 1]
-        pieces[i] = token
+def _log_forced(queued: QueuedStep, known: dict[int, int]) -> None:
+    """The logprob arrays of rows whose token their mask forced (the model's own logprobs,
+    from the raw logits, as for any other row)."""
+    for i, token in known.items():
         params = queued.rows[i].job.params
         if params.logprobs:
+            chosen = mx.array([token], dtype=mx.uint32)
+            raw = queued.logits[i : i + 1]
+            picked, ids, values = logprob_arrays(raw, chosen, params.top_logprobs)
+            queued.logprobs[i] = PendingToken(chosen, picked, ids, values)
+
+
+def _choose_greedy_masked(queued: QueuedStep, rows: list[int], masks: dict[int, Any]) -> Any:
+    """One masked argmax for the constrained `rows` of `queued` (greedy, nothing else shaping
+    their choice): their tokens, shape (len(rows),), lazy; their logprob arrays added."""
+    logits = queued.logits
+    if len(rows) < logits.shape[0]:  # not every row of the step: theirs
+        logits = logits[rows[0] : rows[0] + 1] if len(rows) == 1 else logits[mx.array(rows)]
+    chosen = masked_choice.masked_argmax(logits, np.concatenate([masks[i] for i in rows]))
+    for k, i in enumerate(rows):
+        params = queued.rows[i].job.params
+        if params.logprobs:
+            token = chosen[k : k + 1]
             raw = queued.logits[i : i + 1]
             picked, ids, values = logprob_arrays(raw, token, params.top_logprobs)
             queued.logprobs[i] = PendingToken(token, picked, ids, values)
+    return chosen
+
+
+def _step_tokens(pieces: list[Any], known: dict[int, int]) -> Any:
+    """The step's tokens (shape (B,)) from each row's piece (shape (1,), lazy) or, for the rows
+    in `known` and rows gone since the step was queued (whose token is never read: 0), the
+    token on the host. Only host tokens: one small copy to the device, no kernel."""
+    if all(p is None for p in pieces):
+        return mx.array([known.get(i, 0) for i in range(len(pieces))], dtype=mx.uint32)
+    return mx.concatenate(
+        [
+            mx.array([known.get(i, 0)], dtype=mx.uint32) if p is None else p
+            for i, p in enumerate(pieces)
+        ]
+    )
 
 
 def _greedy_alone(seq: BatchSequence) -> bool:

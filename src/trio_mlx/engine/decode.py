@@ -21,9 +21,12 @@ Constrained decoding (a job with a `grammar`): the sequence owns a `GrammarMatch
 step still queues the next forward pass before reading the current token (so the device never
 waits for the host to build the model's graph); then the token is read, the matcher advanced
 with it, the next mask computed on the CPU while the device runs that forward pass, and only the
-token choice, masked, waits for it. A token that completes the grammar ends the sequence
-(`finish="stop"`) at once; a grammar that is complete but could go on allows the EOS tokens.
-Logprobs are the model's own, before the mask (as before any bias or penalty).
+token choice, masked, waits for it. The choice costs as little dispatch as it can
+(`structured/masked_choice`): greedy with nothing but the mask shaping it, a mask that allows a
+single token is the choice without device work, otherwise one fused masked argmax. A token that
+completes the grammar ends the sequence (`finish="stop"`) at once; a grammar that is complete
+but could go on allows the EOS tokens. Logprobs are the model's own, before the mask (as before
+any bias or penalty).
 
 Prefix caching: a sequence may start from a restored cache that already holds the first
 `cached_tokens` prompt tokens (it then prefills only the rest). Each step reports the job's
@@ -55,8 +58,8 @@ import mlx.core as mx
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
+from trio_mlx.structured import masked_choice
 from trio_mlx.structured.compiler import CompiledGrammar
-from trio_mlx.structured.matcher import apply_token_mask
 from trio_mlx.types import SamplingParams, TokenLogprob
 
 #: On a GPU, a prompt tail this short goes through the model together with the last prompt token
@@ -365,8 +368,17 @@ class ActiveSequence:
 
     def _select(self, raw: Any) -> PendingToken:
         """The token chosen from `raw` logits: processors, bias and penalties, the grammar's
-        mask, then the sampler."""
-        params = self._params
+        mask, then the sampler. Greedy under a grammar with nothing else shaping the choice:
+        the token the mask forces when it allows one (no device work), else the fused masked
+        argmax (`masked_choice`)."""
+        if self._grammar is not None and self._greedy_alone:
+            words = self._grammar.allowed_words()[None]
+            (forced,) = masked_choice.forced_tokens(words, raw.shape[-1])
+            if forced is None:
+                token = masked_choice.masked_argmax(raw, words)
+            else:
+                token = mx.array([forced], dtype=mx.uint32)
+            return self._pending(raw, token)
         logits = raw
         if self._processors:
             for processor in self._processors:
@@ -374,10 +386,20 @@ class ActiveSequence:
         if self._selector.adjusts_logits:
             logits = self._selector.adjust(logits)
         if self._grammar is not None:
-            logits = apply_token_mask(logits, self._grammar.allowed_words()[None])
+            logits = masked_choice.masked_logits(logits, self._grammar.allowed_words()[None])
         token = self._selector.choose(logits)
         if self._processors:
             self._history = mx.concatenate([self._history, token.astype(mx.int32)])
+        return self._pending(raw, token)
+
+    @property
+    def _greedy_alone(self) -> bool:
+        """Greedy with no processor, bias or penalty: only a grammar's mask shapes the choice."""
+        return not self._processors and self._selector.greedy and not self._selector.adjusts_logits
+
+    def _pending(self, raw: Any, token: Any) -> PendingToken:
+        """`token` (chosen from `raw` logits) with its logprob arrays when they are asked for."""
+        params = self._params
         if not params.logprobs:
             return PendingToken(token)
         chosen, ids, values = logprob_arrays(raw, token, params.top_logprobs)

@@ -4,7 +4,9 @@
   `regex`, `lark`);
 - `GrammarCompiler`: compiles a format for a tokenizer, cached (request preparation runs it);
 - `GrammarMatcher`: one request's position in its grammar on the runner thread, and the token
-  masks applied to the logits at each decode step (`apply_token_mask`);
+  masks it gives at each decode step;
+- `masked_choice`: a constrained row's token under its mask on the device, in as few kernels as
+  MLX allows (`apply_token_mask` spells the same mask out in plain operations);
 - `tool_choice`: the grammar that forces a tool call (`tool_choice: "required"` or a named
   function), and reading the calls back.
 """

@@ -1,10 +1,13 @@
 """One request's position in its grammar, and the token masks it gives. Runner thread only.
 
 A mask is computed on the CPU (llguidance writes a bitmask, one bit a token, into a numpy array)
-and applied to the logits on the device: on a GPU the 32-bit words go over as one small array
-(6 KiB for a 49k vocabulary) and are unpacked there with plain MLX operations (shift, and); on
-MLX's CPU backend numpy unpacks them; either way an MLX `where` applies them, so the same code
-runs on the CPU, CUDA and Metal backends.
+and applied to the logits on the device. The engine applies it with `masked_choice` (the packed
+words unpacked and applied in one fused kernel; a mask that allows a single token needs no
+device work for a greedy choice). `token_mask` and `apply_token_mask` here spell the same mask
+out in plain MLX operations: on a GPU the 32-bit words go over as one small array (6 KiB for a
+49k vocabulary) and are unpacked there (shift, and); on MLX's CPU backend numpy unpacks them;
+either way an MLX `where` applies them. They are the reference `masked_choice` is tested
+against, and the "before" of `bench.constrained`.
 
 Vocabulary sizes: the mask covers the tokenizer's vocabulary; a model whose output layer is
 wider (embedding rows padded past the tokenizer's ids) has the extra entries masked out, and one
