@@ -60,7 +60,7 @@ class FaultyModel(_Wrapped):
     def __call__(self, tokens: Any, cache: Any = None) -> Any:
         self.calls += 1
         before = cache[0].offset if cache else 0
-        if self.poison in tokens.tolist()[0]:
+        if any(self.poison in row for row in tokens.tolist()):  # any row of a batched pass
             raise RuntimeError("injected fault: poison token in the input")
         if self.fail_at_position is not None and before >= self.fail_at_position:
             raise RuntimeError("injected fault while decoding")

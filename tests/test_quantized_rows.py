@@ -125,11 +125,14 @@ def test_fewer_rows_take_the_quantized_kernel_bit_for_bit(
     layer, head = model.layers[1].self_attn.q_proj, model.model.embed_tokens
     one_row = mx.random.normal((1, 1, 64), key=mx.random.key(3))
     three_rows = mx.random.normal((3, 64), key=mx.random.key(4))
-    expected = [layer(one_row), layer(three_rows), head.as_linear(one_row)]
+    batch_step = mx.random.normal((3, 1, 64), key=mx.random.key(5))  # folded to (3, 64)
+    inputs = [one_row, three_rows, batch_step]
+    expected = [layer(x) for x in inputs] + [head.as_linear(one_row), head.as_linear(batch_step)]
     route_rows(model, 4)
     products = Products(monkeypatch)
-    got = [layer(one_row), layer(three_rows), head.as_linear(one_row)]
-    assert products.dense == [] and len(products.quantized) == 3
+    got = [layer(x) for x in inputs] + [head.as_linear(one_row), head.as_linear(batch_step)]
+    assert products.dense == [] and len(products.quantized) == 5
+    assert [g.shape for g in got] == [e.shape for e in expected]
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, expected, strict=True))
     layer(mx.zeros((2, 2, 64)))  # 4 rows: the threshold itself is dense
     assert products.dense == [(2, 2, 64)]
@@ -302,8 +305,8 @@ def test_the_threshold_by_backend() -> None:
 def test_the_cuda_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    assert quantized_rows.default_threshold() == quantized_rows.CUDA_DEQUANTIZE_FROM_ROWS == 8
-    assert resolve_threshold(None) == 8 and resolve_threshold(0) is None
+    assert quantized_rows.default_threshold() == quantized_rows.CUDA_DEQUANTIZE_FROM_ROWS == 128
+    assert resolve_threshold(None) == 128 and resolve_threshold(0) is None
 
 
 def test_the_option_reaches_the_engine_config() -> None:

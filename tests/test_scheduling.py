@@ -32,6 +32,24 @@ def test_chunks_shrink_while_others_decode_and_stay_whole_blocks() -> None:
     assert pacer.chunk_tokens(decoding=4, waiting=1) == 64
 
 
+def test_a_pass_with_a_fixed_cost_gets_chunks_sized_by_the_fitted_line() -> None:
+    """A GPU-like device: every pass costs 7 ms plus 10 us a token. From a 64-token chunk alone
+    the rate (~9,000 tokens/s) would give a 20 ms budget 180 tokens; the line gives 1,300."""
+    pacer = PrefillPacer(max_tokens=4096, target_seconds=0.25)
+    pacer.observe_chunk(64, 0.007 + 64e-5)
+    assert pacer.per_token is None  # one size: no line yet
+    pacer.observe_decode(0.01)
+    assert pacer.chunk_tokens(decoding=1, waiting=1) == int(0.02 * 64 / (0.007 + 64e-5))
+    pacer.observe_chunk(512, 0.007 + 512e-5)
+    assert pacer.per_token == pytest.approx(1e-5) and pacer.overhead == pytest.approx(0.007)
+    assert pacer.chunk_tokens(decoding=1, waiting=1) in (1299, 1300)  # (20 ms - 7 ms) / 10 us
+    # A budget under the fixed cost still buys a quarter of it in tokens (a pass costs 7 ms
+    # however small): 1.75 ms / 10 us.
+    pacer.decode_step = 0.002  # a 2 ms step, as learned
+    assert pacer.budget_seconds(decoding=1, waiting=1) < pacer.overhead
+    assert pacer.chunk_tokens(decoding=1, waiting=1) in (174, 175)
+
+
 def test_a_crowd_waiting_beside_a_small_batch_gets_a_longer_chunk() -> None:
     pacer = PrefillPacer(max_tokens=4096, target_seconds=0.25)
     pacer.observe_chunk(1000, 0.1)  # 10,000 tokens/s

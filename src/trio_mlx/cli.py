@@ -248,8 +248,9 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="quantized layers multiply an input of at least N rows (sequences of a decode batch, "
-        "tokens of a prefill chunk) by their weight dequantized, a dense product, instead of "
-        "MLX's quantized kernel; 0: off (default: 8 on CUDA, else off)",
+        "tokens of a prefill chunk) by their weight dequantized, a dense product, and fewer rows "
+        "by MLX's quantized kernel with the rows as one matrix; 0: off (default: 128 on CUDA, "
+        "else off)",
     )
     parser.add_argument(
         "--max-tokens",

@@ -95,8 +95,9 @@ class EngineConfig:
       (the sequences of a decode batch, the tokens of a prefill chunk) by its weight dequantized
       for the one product, a dense matrix product, instead of MLX's quantized kernel, whose cost
       on CUDA grows with every row (`engine/quantized_rows.py` says why); fewer rows take the
-      quantized kernel. Also the draft and SpecPrefill scoring models. None: 8 on MLX's CUDA
-      backend (`quantized_rows.CUDA_DEQUANTIZE_FROM_ROWS`), off elsewhere; 0: off.
+      quantized kernel with the rows folded into one matrix. Also the draft and SpecPrefill
+      scoring models. None: 128 on MLX's CUDA backend (`quantized_rows.CUDA_DEQUANTIZE_FROM_ROWS`),
+      off elsewhere; 0: off.
     Process-wide settings, changed only when asked (an engine opened inside someone else's
     program leaves the process as it found it); `trio-mlx serve` and the benchmarks ask for both
     (`SERVER_PROCESS_SETTINGS`):

@@ -18,6 +18,21 @@ log = logging.getLogger(__name__)
 #: Prompt tokens of the timed forward pass at load that gives the pacer its first prefill rate.
 CALIBRATION_TOKENS = 8
 
+#: On a GPU a second pass of this many times as many tokens is timed too (`probe_cache`).
+GPU_CALIBRATION_FACTOR = 8
+
+
+def _prefill_pass(model: Any, tokens: int) -> float:
+    """Seconds of one prefill pass of `tokens` tokens on a fresh cache (evaluated as a prefill
+    chunk is: the cache, not the logits)."""
+    import mlx.core as mx
+
+    began = time.perf_counter()
+    timed = make_cache(model)
+    model(mx.zeros((1, tokens), dtype=mx.uint32), cache=timed)
+    mx.eval([c.state for c in timed])
+    return time.perf_counter() - began
+
 
 def probe_cache(model: Any, max_kv_size: int | None, pacer: PrefillPacer) -> tuple[int, bool]:
     """KV cache bytes per token of one sequence (one position through a fresh cache), and
@@ -30,11 +45,14 @@ def probe_cache(model: Any, max_kv_size: int | None, pacer: PrefillPacer) -> tup
         cache = make_cache(model, max_kv_size)
         mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=cache))
         tokens = max(CALIBRATION_TOKENS, pacer.block)
-        began = time.perf_counter()
-        timed = make_cache(model)
-        model(mx.zeros((1, tokens), dtype=mx.uint32), cache=timed)
-        mx.eval([c.state for c in timed])  # as a prefill chunk: the cache, not the logits
-        pacer.observe_chunk(tokens, time.perf_counter() - began)
+        if mx.default_device() == mx.gpu:
+            # Two sizes, each timed once warm, so that the pacer can fit a GPU pass's fixed
+            # cost from the start (`scheduling`), and the first requests build fewer kernels.
+            for n in (tokens, GPU_CALIBRATION_FACTOR * tokens):
+                _prefill_pass(model, n)
+                pacer.observe_chunk(n, _prefill_pass(model, n))
+        else:
+            pacer.observe_chunk(tokens, _prefill_pass(model, tokens))
         per_token = 0
         for layer in cache:
             for name in ("keys", "values"):

@@ -23,7 +23,16 @@ What: `route_rows(model, threshold)` makes every `mlx.nn.QuantizedLinear` of `mo
 output head of a `QuantizedEmbedding` tied to it, `as_linear`) compute an input of M >=
 `threshold` rows (M = the product of the input's leading dimensions, known when the graph is
 built) as `mx.dequantize` of its weight in the input's dtype followed by a dense matrix product;
-fewer rows take the usual `mx.quantized_matmul`, unchanged. A dequantized weight is a
+fewer rows take the usual `mx.quantized_matmul` with the input's rows folded into one matrix
+(`flat`: a batched decode step's (B, 1, K) becomes (B, K), one `qmm_sm80` tile of up to 64 rows
+where MLX ran B slices).
+
+Measured on the H200 (`python -m bench.quantized_rows`, synthetic Llama-3-8B 4-bit, g64; ms a
+decode step at B = 1 / 4 / 8 / 16 / 64 / 128, then a 2,048-token prefill pass): MLX's kernel as
+mlx-lm calls it 10.0 / 24.0 / 35.2 / 61.9 / 213.8 / 414.5, 245 ms; folded 10.8 / 22.9 / 21.5 /
+23.2 / 40.2 / 51.0; dequantized 25.8 / 25.8 / 28.2 / 27.9 / 40.8 / 48.1, 64.5 ms. So: folded
+below `CUDA_DEQUANTIZE_FROM_ROWS` rows (a step of 64 rows 5.3x faster than before), dequantized
+from there (a 2,048-token prefill 3.8x faster). A dequantized weight is a
 temporary of the graph, computed once the layer's input is and freed once its product is, so
 about one layer's weights are dense at a time (on the CPU: a 6.5 MB peak for a model whose
 layers dequantize to 32 MB, 4.2 MB a layer); the model keeps no second copy.
@@ -58,6 +67,7 @@ __all__ = [
     "RowRoutedLinear",
     "apply_threshold",
     "default_threshold",
+    "flat",
     "resolve_threshold",
     "route_rows",
     "rows_of",
@@ -66,12 +76,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Rows from which a quantized layer dequantizes its weight on MLX's CUDA backend. To be set from
-#: the H200 measurement (`python -m bench.quantized_rows`). 8 is where MLX itself leaves `qmv`
-#: for `qmm_sm80`, whose per-batch-matrix tiles are what grows linearly with the batch; `qmv`
-#: grows with the rows too (B = 4: 22.8 ms a step against 9.3 ms at B = 1), so the measurement
-#: may move it lower.
-CUDA_DEQUANTIZE_FROM_ROWS = 8
+#: Rows from which a quantized layer dequantizes its weight on MLX's CUDA backend: where the
+#: dequantized product overtook the folded quantized kernel on the H200 (B = 64: 40.8 / 40.2
+#: ms, B = 128: 48.1 / 51.0 ms; module docstring).
+CUDA_DEQUANTIZE_FROM_ROWS = 128
 
 #: The attribute holding a routed layer's threshold (a plain attribute, not a parameter).
 _THRESHOLD = "dequantize_from_rows"
@@ -80,6 +88,15 @@ _THRESHOLD = "dequantize_from_rows"
 def rows_of(x: Any) -> int:
     """The rows `x` (shape (..., K)) is to a matrix product: the product of its leading dims."""
     return math.prod(x.shape[:-1])
+
+
+def flat(x: Any, product: Any) -> Any:
+    """`product(x)` with `x`'s leading dimensions folded into one (M rows of one matrix, not M
+    matrices of one row: see the module docstring), unfolded again after. The same values."""
+    if x.ndim <= 2:
+        return product(x)
+    out = product(x.reshape(-1, x.shape[-1]))
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _dequantized(layer: Any, x: Any) -> Any:
@@ -111,8 +128,8 @@ class RowRoutedLinear(QuantizedLinear):  # type: ignore[misc]
         return self.quantized(x)
 
     def quantized(self, x: Any) -> Any:
-        """`QuantizedLinear`'s own product."""
-        return super().__call__(x)
+        """`QuantizedLinear`'s own product, of `x`'s rows as one matrix (`flat`)."""
+        return flat(x, super().__call__)
 
     def dense(self, x: Any) -> Any:
         """`x` times the weight dequantized to `x`'s dtype, plus the bias if any."""
@@ -134,8 +151,8 @@ class RowRoutedEmbedding(QuantizedEmbedding):  # type: ignore[misc]
         return self.quantized(x)
 
     def quantized(self, x: Any) -> Any:
-        """`QuantizedEmbedding.as_linear`'s own product."""
-        return super().as_linear(x)
+        """`QuantizedEmbedding.as_linear`'s own product, of `x`'s rows as one matrix (`flat`)."""
+        return flat(x, super().as_linear)
 
     def dense(self, x: Any) -> Any:
         """`x` times the embedding matrix, dequantized to `x`'s dtype, transposed."""

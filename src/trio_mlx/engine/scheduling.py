@@ -11,19 +11,35 @@ lengthens each of their inter-token gaps by a bounded factor (chunked prefill mi
 while a crowd arriving at a small batch joins it in one step instead of one step each.
 
 The pacer learns the prefill rate (prompt tokens per second, an exponential moving average over
-chunks) and the decode step time. The runner gives it a first rate at load, from one short timed
-pass (`runner.CALIBRATION_TOKENS`); without one it starts with `first_tokens`. A small pass
-underestimates a GPU's rate (it is launch-bound), which only makes the next chunk smaller than it
-could be; the one after is sized from that chunk's own time.
+chunks) and the decode step time. Where a pass has a fixed cost whatever its size — on a GPU,
+launch-bound, a pass of 64 tokens costs about what a pass of 500 does (the H200's 1B: 7-8 ms up
+to ~1,000 tokens) — a rate learned from small chunks is far too low for large ones, and the
+chunks stay small: so once its chunks have been of different sizes, the pacer fits a pass's
+time as `overhead + tokens * per_token` over its last `FIT_WINDOW` chunks and sizes chunks by
+that line (at least `OVERHEAD_SLACK` of the fixed cost's worth of tokens: below that, a chunk
+costs its fixed cost all the same and only takes longer to finish the prompt).
+
+The runner gives it a first rate at load, from one short timed pass
+(`model_probe.CALIBRATION_TOKENS`; on a GPU two, of two sizes, for the line); without one it
+starts with `first_tokens`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 #: The prefill chunk's target duration in seconds (an abort waits at most about this long).
 DEFAULT_CHUNK_SECONDS = 0.25
+
+#: Chunks the pass-time line is fitted over, and the fewest for a fit (two sizes 2x apart at
+#: least: on a GPU the runner times two at load, `model_probe`).
+FIT_WINDOW = 16
+FIT_MIN = 2
+
+#: A chunk may take this much more than a pass's fixed cost even when the budget is smaller.
+OVERHEAD_SLACK = 0.25
 
 
 @dataclass
@@ -49,6 +65,12 @@ class PrefillPacer:
     rate: float | None = None
     #: seconds of one batched decode step, learned (None: nothing measured yet)
     decode_step: float | None = None
+    #: a pass's time as `overhead + tokens * per_token` (None: not fitted, the rate alone)
+    overhead: float = 0.0
+    per_token: float | None = None
+    _chunks: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=FIT_WINDOW), repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.block < 1 or self.target_seconds <= 0:
@@ -66,6 +88,10 @@ class PrefillPacer:
         """Prompt tokens for the next chunk: a whole number of blocks, 1 block at least."""
         if self.rate is None:
             tokens = self.first_tokens
+        elif self.per_token is not None:
+            budget = self.budget_seconds(decoding, waiting)
+            usable = max(budget, self.overhead * (1 + OVERHEAD_SLACK)) - self.overhead
+            tokens = int(usable / self.per_token)
         else:
             tokens = int(self.rate * self.budget_seconds(decoding, waiting))
         tokens = max(1, min(tokens, self.max_tokens))
@@ -79,6 +105,25 @@ class PrefillPacer:
             return
         rate = tokens / max(seconds, 1e-6)
         self.rate = rate if self.rate is None else _blend(self.rate, rate, self.smoothing)
+        self._chunks.append((tokens, seconds))
+        self._fit()
+
+    def _fit(self) -> None:
+        """Fit the pass-time line over the last chunks, once their sizes differ enough (2x);
+        a fit whose slope is not positive leaves the last one (or the rate alone)."""
+        if len(self._chunks) < FIT_MIN:
+            return
+        sizes = [t for t, _ in self._chunks]
+        if max(sizes) < 2 * min(sizes):
+            return
+        times = [s for _, s in self._chunks]
+        mean_t, mean_s = sum(sizes) / len(sizes), sum(times) / len(times)
+        spread = sum((t - mean_t) ** 2 for t in sizes)
+        slope = sum((t - mean_t) * (s - mean_s) for t, s in self._chunks) / spread
+        if slope <= 0:
+            return
+        self.per_token = slope
+        self.overhead = min(max(0.0, mean_s - slope * mean_t), min(times))
 
     def observe_decode(self, seconds: float) -> None:
         """A batched decode step took `seconds`."""
