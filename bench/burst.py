@@ -58,7 +58,12 @@ async def burst(loaded: LoadedModel, grouped: bool, streams: int, args: Any) -> 
             for i in range(streams):
                 messages = [{"role": "user", "content": prompt(1000 + i, args.prompt_words)}]
                 nursery.start_soon(partial(engine.chat, messages, max_tokens=4, temperature=0))
-        counters = ("prefill_chunks", "prefill_groups", "grouped_prefills")
+        counters = (
+            "prefill_chunks",
+            "prefill_groups",
+            "grouped_prefills",
+            "prefill_group_failures",
+        )
         before = {k: engine.get_stats()["runner"][k] for k in counters}
         firsts: list[float] = []
         done: list[int] = []
@@ -89,6 +94,10 @@ async def burst(loaded: LoadedModel, grouped: bool, streams: int, args: Any) -> 
             "ttft_max_ms": 1e3 * ordered[-1],
             "aggregate_tok_s": sum(done) / wall,
             **{k: engine.get_stats()["runner"][k] - before[k] for k in counters},
+            "pacer": {
+                k: getattr(engine._runner.pacer, k)
+                for k in ("rate", "overhead", "per_token", "decode_step")
+            },
         }
 
 
@@ -115,7 +124,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                     cells.setdefault(key, []).append(cell)
                     print(json.dumps({"model": spec, "cell": key, **cell}), flush=True)
         summary = {
-            key: {m: statistics.median(c[m] for c in runs) for m in runs[0]}
+            key: {m: statistics.median(c[m] for c in runs) for m in runs[0] if m != "pacer"}
             for key, runs in cells.items()
         }
         report[spec] = {"cells": cells, "median": summary}

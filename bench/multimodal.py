@@ -155,7 +155,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=448)
     parser.add_argument("--frames", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--systems", default="mlx-vlm,engine", help="which sides to run, in this order"
+    )
     args = parser.parse_args()
+    systems = args.systems.split(",")
 
     import trio
 
@@ -183,17 +187,23 @@ def main() -> None:
         for repeat in range(args.repeats):
             for case in ("image", "video"):
                 clip = video if case == "video" else None
-                run_mlx_vlm(model_dir, picture, clip, 4)  # warm
-                result = run_mlx_vlm(model_dir, picture, clip, args.max_tokens)
-                rows.append(
-                    {"case": case, "system": "mlx-vlm stream_generate", "repeat": repeat, **result}
-                )
-                print(json.dumps(rows[-1]), flush=True)
-                trio.run(engine_side, case, repeat)
+                for system in systems:
+                    if system == "engine":
+                        trio.run(engine_side, case, repeat)
+                        continue
+                    run_mlx_vlm(model_dir, picture, clip, 4)  # warm
+                    result = run_mlx_vlm(model_dir, picture, clip, args.max_tokens)
+                    rows.append(
+                        {"case": case, "system": "mlx-vlm stream_generate", "repeat": repeat}
+                        | result
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
     print("\n| case | system | TTFT ms | decode tok/s |\n| --- | --- | --- | --- |")
     for case in ("image", "video"):
         for system in ("mlx-vlm stream_generate", "trio-mlx engine"):
             mine = [r for r in rows if r["case"] == case and r["system"] == system]
+            if not mine:
+                continue
             ttft = statistics.median(r["ttft_ms"] for r in mine)
             tps = statistics.median(r["decode_tps"] for r in mine)
             print(f"| {case} | {system} | {ttft:.1f} | {tps:.1f} |")

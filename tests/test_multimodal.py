@@ -343,3 +343,28 @@ async def test_an_abort_during_vision_encoding_frees_the_slot_and_stops_there(
         assert runner["generated_tokens"] == 0 and runner["prompt_tokens"] == 0
         again = await engine.chat(image_message(data_url(png(0))), **GREEDY)
         assert again.completion_tokens > 0
+
+
+def test_the_gpu_start_up_options_take_a_vision_model(
+    tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the runner's defaults fuse projections and route quantized rows, both walking
+    the model's modules: the VLM's text view hands its language model's over (without them no
+    vision model could start on CUDA: `'TextView' object has no attribute 'modules'`)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from trio_mlx.engine.fast_decode import default_fused_projections, prepare_fast_decode
+    from trio_mlx.engine.loading import load_model
+    from trio_mlx.engine.quantized_rows import RowRoutedLinear
+
+    view = load_model(tiny_vlm_dir).model
+    assert type(view).__name__ == "TextView"
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert default_fused_projections(view) is True  # float weights
+    nn.quantize(view.language_model, group_size=32, bits=4)
+    assert default_fused_projections(view) is False
+    assert prepare_fast_decode(view, None, None, dequantize_from_rows=None) is None
+    routed = [m for m in view.modules() if isinstance(m, RowRoutedLinear)]
+    assert routed and all(m.dequantize_from_rows == 128 for m in routed)

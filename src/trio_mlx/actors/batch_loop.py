@@ -133,6 +133,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             if grouped:
                 counters.prefill_groups += 1
                 counters.grouped_prefills += grouped
+            counters.prefill_group_failures = batch.group_failures
             if prefilled:
                 if not grouped:  # a pass of several prompts is faster per token than a chunk
                     pacer.observe_chunk(prefilled, time.perf_counter() - chunk_began)

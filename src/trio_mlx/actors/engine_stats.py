@@ -106,6 +106,7 @@ def engine_stats(
             "prefill_chunks": counters.prefill_chunks,
             "prefill_groups": counters.prefill_groups,
             "grouped_prefills": counters.grouped_prefills,
+            "prefill_group_failures": counters.prefill_group_failures,
             "decode_steps": counters.decode_steps,
             "prompt_tokens": counters.prompt_tokens,
             "generated_tokens": counters.generated_tokens,

@@ -85,6 +85,7 @@ class RunnerCounters:
     #: route: `batch_prefill`)
     prefill_groups: int = 0
     grouped_prefills: int = 0
+    prefill_group_failures: int = 0
     decode_steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0

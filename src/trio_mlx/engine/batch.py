@@ -52,6 +52,7 @@ the only requests it can be attributed to, and the batch starts again empty.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,6 +77,8 @@ from trio_mlx.engine.speculative import Speculator
 from trio_mlx.structured import masked_choice
 from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
+
+log = logging.getLogger(__name__)
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
 GPU_MAX_NUM_SEQS = 64
@@ -189,6 +192,8 @@ class BatchDecoder:
         self._bias: Any = None
         self._bias_stale = True
         self.steps = 0
+        #: group prefill passes that raised (their sequences then prefilled one by one)
+        self.group_failures = 0
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -501,10 +506,16 @@ class BatchDecoder:
         if group:
             try:
                 done = prefill_together(self._model, group, self._plan.block)
-            except Exception:
+            except Exception as exc:
                 # Not attributable to one of them: each prefills alone below, where a failure
                 # fails only its own sequence (their caches are as they were).
-                pass
+                self.group_failures += 1
+                log.warning(
+                    "a prefill pass of %d arrivals failed (%s: %s); they prefill one by one",
+                    len(group),
+                    type(exc).__name__,
+                    exc,
+                )
             else:
                 for seq, (n, points) in zip(group, done, strict=True):
                     tokens -= n

@@ -115,6 +115,14 @@ class TextView:
     def layers(self) -> Any:
         return self.language_model.layers
 
+    def modules(self) -> list[Any]:
+        """The language model's modules (what the start-up options walk: fused projections'
+        default, quantized rows)."""
+        return list(self.language_model.modules())
+
+    def named_modules(self) -> list[tuple[str, Any]]:
+        return list(self.language_model.named_modules())
+
     def make_cache(self) -> list[Any]:
         from mlx_lm.models.cache import make_prompt_cache
 
