@@ -1,16 +1,17 @@
 """Time to first token and decode speed with an image and with a video: trio-mlx's engine API
 beside mlx-vlm's own `stream_generate`, interleaved, on one synthetic model.
 
-    python -m bench.multimodal --shape qwen2.5-vl-3b --repeats 3 --out docs/benchmarks/mm.json
+    python -m bench.multimodal --shape qwen2-vl-2b --repeats 3 --out docs/benchmarks/mm.json
     python -m bench.multimodal --shape tiny --repeats 1          # a smoke run on the CPU
 
-The model is random-weight (tests/tiny_vlm.py's recipe at a real shape: Qwen2.5-VL-3B's text
-model, hidden 2048, 36 layers, 16 heads, 2 KV heads, MLP 11008, and its 32-block vision tower,
-bf16) with SmolLM2's tokenizer plus the vision tokens (vocabulary 49,156 rather than 151,936: the
-output layer is smaller than the real model's; say so with any figure). Cases: one 448x448
-image; a 16-frame 448x448 video at 2 frames a second (both systems sample 2 a second). EOS is
-ignored (`max_tokens` tokens each). Prints a JSON object per (case, system, repeat) and a
-summary table (medians).
+The model is random-weight (tests/tiny_vlm.py's recipe at a real shape: `qwen2-vl-2b`,
+Qwen2-VL-2B's text model and 32-block vision tower; `qwen2.5-vl-3b`, Qwen2.5-VL-3B's text model,
+hidden 2048, 36 layers, and its windowed 32-block tower, which dies with SIGFPE on the H200 with
+MLX 0.32.4 in both systems; bf16) with SmolLM2's tokenizer plus the vision tokens (vocabulary
+49,156 rather than 151,936: the output layer is smaller than the real model's; say so with any
+figure). Cases: one 448x448 image; a 16-frame 448x448 video at 2 frames a second (both systems
+sample 2 a second). EOS is ignored (`max_tokens` tokens each). `--systems` picks the sides and
+their order. Prints a JSON object per (case, system, repeat) and a summary table (medians).
 """
 
 from __future__ import annotations
@@ -30,6 +31,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"model_type": "qwen2_vl"},
+    "qwen2-vl-2b": {  # Qwen2-VL-2B's text model and its 32-block vision tower (full attention)
+        "model_type": "qwen2_vl",
+        "text": {
+            "hidden_size": 1536,
+            "num_hidden_layers": 28,
+            "intermediate_size": 8960,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 32768,
+            "sliding_window": 32768,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+            "tie_word_embeddings": True,
+        },
+        "vision": {
+            "depth": 32,
+            "embed_dim": 1280,
+            "hidden_size": 1536,
+            "num_heads": 16,
+            "mlp_ratio": 4,
+        },
+        "max_pixels": 448 * 448,
+        "bf16": True,
+    },
     "qwen2.5-vl-3b": {
         "model_type": "qwen2_5_vl",
         "text": {

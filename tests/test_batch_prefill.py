@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from model_wrappers import _Wrapped
+from model_wrappers import FaultyModel, _Wrapped
 from trio_mlx.engine.batch import BatchDecoder
 from trio_mlx.engine.batch_prefill import choose_group
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
@@ -39,6 +39,13 @@ class PassLog(_Wrapped):
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir: Path) -> LoadedModel:
     return load_model(tiny_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def grouping_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group prefill is off by default (see `BatchDecoder.group_prefill`); these tests switch it
+    on."""
+    monkeypatch.setattr(BatchDecoder, "group_prefill", True)
 
 
 def alone(loaded: LoadedModel, prompt: tuple[int, ...], n: int) -> list[int]:
@@ -164,3 +171,22 @@ def test_padding_is_bounded(loaded: LoadedModel) -> None:
     assert [s.request_id for s in choose_group(batch.waiting, 4096, 64, 1)] == [0, 1, 3]
     # within a budget of 70 tokens: the first two only
     assert [s.request_id for s in choose_group(batch.waiting, 70, 64, 1)] == [0, 1]
+
+
+def test_a_failing_group_pass_falls_back_to_one_pass_each(loaded: LoadedModel) -> None:
+    """A pass that raises cannot say whose prompt it was: each prefills alone, and only the
+    sequence whose own pass raises fails."""
+    model = FaultyModel(loaded.model, poison=31337)
+    batch = decoder(model, loaded)
+    poisoned = (*PROMPTS[1][:3], 31337, *PROMPTS[1][4:])
+    for i, prompt in enumerate((PROMPTS[0], poisoned, PROMPTS[2])):
+        batch.add(job(i, prompt), None, 0)
+    results = batch.prefill(4096, 60.0)
+    assert batch.group_failures == 1
+    failed = [r.seq.request_id for r in results if r.error is not None]
+    assert failed == [1] and "poison" in (results[1].error or "")
+    assert [r.seq.request_id for r in results if r.prefilled] == [0, 2]
+    assert not any(r.grouped for r in results)
+    batch.join()
+    tokens = run(batch)
+    assert [tokens[0], tokens[2]] == [alone(loaded, PROMPTS[0], 10), alone(loaded, PROMPTS[2], 10)]

@@ -11,8 +11,8 @@ The loop, top to bottom, once per step while anything is live:
    cannot join the batch, see there why; they advance beside it, step for step);
 4. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
    measured time, held to a couple of decode steps while rows decode, so a long prompt arriving
-   does not stall the streams already decoding, more when many wait beside a small batch) —
-   the short prompts of several arrivals together in one pass (`batch_prefill`) —, its
+   does not stall the streams already decoding, more when many wait beside a small batch; with
+   `BatchDecoder.group_prefill`, the short prompts of several arrivals in one pass), its
    store-point snapshots, and the sequences whose prefill is complete join the batch.
 
 The protocol with Trio is the serialized route's (see `runner`): one `SequenceEvent` batch per

@@ -158,8 +158,11 @@ class BatchDecoder:
     #: a lone row decodes on its own cache (module docstring); False keeps it in a batch cache
     #: like any other row (what `bench.lone_row` measures against)
     solo_rows = True
-    #: several arrivals' short prompts prefill in one pass (`batch_prefill`); False: one each
-    group_prefill = True
+    #: several arrivals' short prompts prefill in one pass (`batch_prefill`). Off: on the H200
+    #: it did not pay where measured (`bench.burst`, docs/benchmarks: few groups formed, since
+    #: arrivals reach the runner one tokenization at a time, and each new (rows, tokens) shape
+    #: of a group pass costs MLX's CUDA backend a new attention graph); kept for bucketed shapes
+    group_prefill = False
 
     def __init__(
         self,
@@ -492,10 +495,10 @@ class BatchDecoder:
     # ---- prefill ------------------------------------------------------------------------------
 
     def prefill(self, tokens: int, seconds: float) -> list[PrefillResult]:
-        """Prefill waiting sequences until `tokens` prompt tokens or `seconds` are spent: first
-        the short prompts of several arrivals together in one pass where they can
-        (`batch_prefill`), then in admission order a chunk each. Ready sequences join only at
-        `join()`."""
+        """Prefill waiting sequences until `tokens` prompt tokens or `seconds` are spent: with
+        `group_prefill`, first the short prompts of several arrivals together in one pass where
+        they can (`batch_prefill`); then in admission order a chunk each. Ready sequences join
+        only at `join()`."""
         results: list[PrefillResult] = []
         began = time.perf_counter()
         group = (
