@@ -54,12 +54,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine.compiled_step import CompiledDecode
+from trio_mlx.engine.padded_attention import padded_attention_default, padded_forward
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.structured import masked_choice
 from trio_mlx.structured.compiler import CompiledGrammar
+from trio_mlx.structured.forced_runs import MAX_RUN, forced_run
 from trio_mlx.types import SamplingParams, TokenLogprob
 
 #: On a GPU, a prompt tail this short goes through the model together with the last prompt token
@@ -199,6 +202,9 @@ class PendingToken:
 class ActiveSequence:
     """The live state of one generation: its KV cache, its sampler and where it has got to.
 
+    `jump_forward` (class-wide, on): under a grammar, a greedy sequence feeds the runs of tokens
+    its grammar forces in one forward pass each (`structured/forced_runs`); off, one step each.
+
     `cache`, when given, is a live prompt cache already holding the first `cached_tokens` prompt
     tokens (a restored snapshot, `1 <= cached_tokens < len(prompt)`); it becomes this sequence's
     own. Otherwise a fresh cache is made (`prompt_cache.make_cache`, bounded by `max_kv_size`).
@@ -207,6 +213,8 @@ class ActiveSequence:
     `compiled`: the model's traced decode step (`compiled_step`); one-token forward passes use it
     when the cache fits it (`CompiledDecode.fits`), prefill never does.
     """
+
+    jump_forward = True
 
     def __init__(
         self,
@@ -260,6 +268,7 @@ class ActiveSequence:
         self._current_unqueued = False
         self._compiled = compiled  # None once the cache turns out not to fit it
         self._fits_checked = False
+        self._pad_runs = padded_attention_default()  # forced runs' passes padded to one shape
         self._params = job.params
         self.generated = 0
         self.finished = False
@@ -464,24 +473,65 @@ class ActiveSequence:
         if not eos:
             grammar.consume(token)
         upcoming = None
+        run: list[int] = []
         if raw is not None:
             self._fed_generated.append(token)  # its forward pass is built: the cache holds it
             if not eos and not grammar.done:
-                upcoming = self._select(raw)
-                if not first:
-                    mx.async_eval(*upcoming.arrays())
+                room = self.job.params.max_tokens - self.generated - 1
+                run = self._forced_run(int(raw.shape[-1]), room)
+                ends = grammar.done or len(run) == room
+                if run and not ends:
+                    raw = self._feed_run(run)  # the next token's logits: after the run
+                    self._fed_generated.extend(run)
+                if not ends:
+                    upcoming = self._select(raw)
+                    if not first:
+                        mx.async_eval(*upcoming.arrays())
         self._current = upcoming
         self._current_unqueued = first and upcoming is not None
         if eos:
             self.finished = True
             return StepResult(finish="stop", prefilled=prefilled)
-        self.generated += 1
-        if self.generated % 256 == 0:
+        before = self.generated
+        self.generated += 1 + len(run)
+        if self.generated // 256 != before // 256:
             mx.clear_cache()
-        if grammar.done or last_one:
+        tokens = (token, *run)
+        if grammar.done or self.generated >= self.job.params.max_tokens:
             self.finished = True
-            return StepResult((token,), "stop" if grammar.done else "length", prefilled, logprobs)
-        return StepResult((token,), None, prefilled, logprobs)
+            return StepResult(tokens, "stop" if grammar.done else "length", prefilled, logprobs)
+        return StepResult(tokens, None, prefilled, logprobs)
+
+    def _forced_run(self, width: int, room: int) -> list[int]:
+        """The tokens the grammar forces next (`structured/forced_runs`), at most `room`, for a
+        sequence that may jump forward: greedy with nothing but its mask shaping the choice, no
+        logprobs, plain trimmable caches, not the traced step. Consumed by the matcher."""
+        assert self._grammar is not None
+        eligible = (
+            self.jump_forward
+            and self._greedy_alone
+            and not self._params.logprobs
+            and self._compiled is None
+            and all(type(layer) is KVCache for layer in self._cache)
+        )
+        if not eligible:
+            return []
+        return forced_run(self._grammar, width, min(MAX_RUN, room))
+
+    def _feed_run(self, run: list[int]) -> Any:
+        """Feed `run` to the model in one forward pass; return the logits after its last token
+        (shape (1, vocab)). Where attention shapes must recur (MLX's CUDA backend) the pass is
+        padded to `MAX_RUN` tokens with attention over the cache's whole buffer
+        (`padded_attention`) and the padding trimmed off the cache."""
+        n = len(run)
+        if not self._pad_runs:
+            return self._model(mx.array(run, dtype=mx.uint32)[None], cache=self._cache)[:, -1, :]
+        tokens = mx.array(run + [run[-1]] * (MAX_RUN - n), dtype=mx.uint32)[None]
+        logits = padded_forward(self._model, tokens, self._cache)[:, n - 1, :]
+        if n < MAX_RUN:
+            for layer in self._cache:
+                layer.trim(MAX_RUN - n)
+        return logits
 
 
 def read_logprobs(token: int, pending: PendingToken) -> TokenLogprob:
