@@ -25,8 +25,10 @@ token choice, masked, waits for it. The choice costs as little dispatch as it ca
 (`structured/masked_choice`): greedy with nothing but the mask shaping it, a mask that allows a
 single token is the choice without device work, otherwise one fused masked argmax. A token that
 completes the grammar ends the sequence (`finish="stop"`) at once; a grammar that is complete
-but could go on allows the EOS tokens. Logprobs are the model's own, before the mask (as before
-any bias or penalty).
+but could go on allows the EOS tokens. Such a greedy sequence also jumps forward: the tokens its
+grammar forces next (`structured/forced_runs`) are read ahead and fed in one forward pass, so a
+step may emit a run of tokens (the same tokens one step each would give). Logprobs are the
+model's own, before the mask (as before any bias or penalty).
 
 Prefix caching: a sequence may start from a restored cache that already holds the first
 `cached_tokens` prompt tokens (it then prefills only the rest). Each step reports the job's
