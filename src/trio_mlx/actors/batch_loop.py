@@ -6,7 +6,9 @@ The loop, top to bottom, once per step while anything is live:
 2. one decode step over every row of the batch (`BatchDecoder.decode`): its tokens and finishes
    go to Trio at once, then the finished sequences' snapshots are taken. With a draft model, a
    batch of one row takes a speculative step instead (`BatchDecoder.speculate`: several tokens
-   for that row); as soon as a second row joins, the batch decodes without the draft again;
+   for that row); a lone greedy row under a grammar whose last token was forced, a jump-forward
+   step (`BatchDecoder.jump`: the tokens its grammar forces next in one pass); as soon as a
+   second row joins, the batch decodes one token a step again;
 3. on a vision-language model, one step of each request with media (`media_lane.MediaLane`: they
    cannot join the batch, see there why; they advance beside it, step for step);
 4. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
@@ -87,8 +89,12 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         if rows or batch.rows:
             # A lone row speculates with the draft; several decode together without it.
             speculator = runner.speculator if batch.can_speculate() else None
-            solo = speculator is not None
-            step = batch.decode() if speculator is None else batch.speculate(speculator)
+            jumping = speculator is None and batch.can_jump()
+            solo = speculator is not None or jumping
+            if speculator is not None:
+                step = batch.speculate(speculator)
+            else:
+                step = batch.jump() if jumping else batch.decode()
             for result in step:
                 events.append(
                     _row_event(

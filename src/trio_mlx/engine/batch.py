@@ -62,6 +62,7 @@ import mlx.core as mx
 
 from trio_mlx.engine import batch_mask
 from trio_mlx.engine.batch_constrained import choose_constrained
+from trio_mlx.engine.batch_jump import can_jump, jump_row
 from trio_mlx.engine.batch_prefill import choose_group, prefill_together
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
@@ -72,6 +73,7 @@ from trio_mlx.engine.decode import (
     PrefillPlan,
     read_logprobs,
 )
+from trio_mlx.engine.padded_attention import padded_attention_default
 from trio_mlx.engine.sampling import logprob_arrays
 from trio_mlx.engine.speculative import Speculator
 from trio_mlx.structured import masked_choice
@@ -158,6 +160,8 @@ class BatchDecoder:
     #: a lone row decodes on its own cache (module docstring); False keeps it in a batch cache
     #: like any other row (what `bench.lone_row` measures against)
     solo_rows = True
+    #: a lone greedy row under a grammar feeds its forced runs in one pass (`batch_jump`)
+    jump_forward = True
     #: several arrivals' short prompts prefill in one pass (`batch_prefill`). Off: on the H200
     #: it did not pay where measured (`bench.burst`, docs/benchmarks: few groups formed, since
     #: arrivals reach the runner one tokenization at a time, and each new (rows, tokens) shape
@@ -197,6 +201,7 @@ class BatchDecoder:
         self.steps = 0
         #: group prefill passes that raised (their sequences then prefilled one by one)
         self.group_failures = 0
+        self._pad_runs = padded_attention_default()  # jump passes padded to one shape (CUDA)
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -415,6 +420,53 @@ class BatchDecoder:
                 seq.finished = seq.removed = True
                 seq.cache = self._extract(self.rows.index(seq))
             results.append(RowResult(seq, tokens, finish, logprobs))
+        return results
+
+    # ---- jump-forward for a lone constrained row ----------------------------------------------
+
+    def can_jump(self) -> bool:
+        """One row decodes, on its own cache, under a grammar that forced its last token, greedy
+        with nothing but its mask shaping the choice (`batch_jump.can_jump`), a step queued:
+        `jump` may replace `decode`."""
+        if not (self.jump_forward and self._queued is not None):
+            return False
+        live = [s for s in self.rows if not s.removed]
+        return (
+            can_jump(self.rows, self._cache, solo=self.solo)
+            and live[0].forced_last
+            and self._queued.tokens is not None
+        )
+
+    def jump(self) -> list[RowResult]:
+        """One jump-forward step for the batch's only row, instead of `decode`
+        (`batch_jump`): the queued step is read without queuing another, then the row's pending
+        token and the run its grammar forces after it go through the model in one pass, and the
+        next token is queued. The row's result carries the token read and the run."""
+        self._drop_removed()
+        assert self._queued is not None
+        try:
+            results = self._read(self._queued, fed=False)
+        except Exception as exc:
+            return self._fail_batch(exc)
+        self._queued = None
+        live = [s for s in self.rows if not s.removed]
+        if len(live) != 1 or live[0].pending is None:
+            return results
+        seq = live[0]
+        try:
+            out = jump_row(seq, self._model, self._cache, self._vocab, self._pad_runs)
+        except Exception as exc:
+            return results + self._fail_batch(exc)
+        mine = [r for r in results if r.seq is seq]
+        if mine:
+            read = mine[0]
+            results[results.index(read)] = RowResult(seq, (*read.tokens, *out.run), out.finish)
+        if out.finish is not None:
+            seq.finished = seq.removed = True
+            seq.cache = self._extract(self.rows.index(seq))
+            return results
+        self._inputs = out.upcoming
+        self._queued = QueuedStep([seq], out.upcoming, {})
         return results
 
     # ---- speculation for a lone row ------------------------------------------------------------

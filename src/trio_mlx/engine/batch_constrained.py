@@ -80,6 +80,8 @@ def choose_constrained(queued: QueuedStep, choose_row: RowChooser) -> Any:
         width = queued.logits.shape[-1]
         forced = masked_choice.forced_tokens(np.concatenate([masks[i] for i in simple]), width)
         known = {i: token for i, token in zip(simple, forced, strict=True) if token is not None}
+        for i in simple:
+            queued.rows[i].forced_last = i in known
         if len(simple) == len(pieces) and len(known) < len(simple):
             # Every row is of these and some are not forced: one masked argmax over the whole
             # step (it picks the forced tokens too) beats gathering a piece per row.

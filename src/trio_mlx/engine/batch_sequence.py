@@ -64,6 +64,9 @@ class BatchSequence:
         self.pending: int | None = None
         #: the draft model's cache, once this sequence has speculated (`speculative.py`)
         self.draft: Any = None
+        #: its last token was the only one its grammar allowed (`batch_constrained`): a run of
+        #: forced tokens may follow (`batch_jump`)
+        self.forced_last = False
         self.generated = 0
         self.finished = False
         #: leaves the batch at the next step (finished, aborted or failed)
