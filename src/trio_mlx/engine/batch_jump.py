@@ -87,6 +87,7 @@ def jump_row(seq: BatchSequence, model: Any, cache: list[Any], width: int, pad: 
     seq.pending = None
     words = grammar.allowed_words()[None]
     (forced,) = masked_choice.forced_tokens(words, width)
+    seq.forced_last = forced is not None  # a free choice next: the batch decodes it pipelined
     if forced is not None:
         upcoming = mx.array([forced], dtype=mx.uint32)
     else:
