@@ -422,6 +422,21 @@ class BatchDecoder:
             results.append(RowResult(seq, tokens, finish, logprobs))
         return results
 
+    def _read_for_lone_row(self) -> tuple[list[RowResult], BatchSequence | None]:
+        """Read the step already queued, if any, without queuing another (a row's token read
+        becomes its `pending` input, not yet fed); return its results and the batch's only live
+        row when it has a pending input (else None: several rows, or it ended). Raises what the
+        read raises."""
+        self._drop_removed()
+        results: list[RowResult] = []
+        if self._queued is not None:
+            results = self._read(self._queued, fed=False)
+            self._queued = None
+        live = [s for s in self.rows if not s.removed]
+        if len(live) != 1 or live[0].pending is None:
+            return results, None
+        return results, live[0]
+
     # ---- jump-forward for a lone constrained row ----------------------------------------------
 
     def can_jump(self) -> bool:
@@ -442,17 +457,12 @@ class BatchDecoder:
         (`batch_jump`): the queued step is read without queuing another, then the row's pending
         token and the run its grammar forces after it go through the model in one pass, and the
         next token is queued. The row's result carries the token read and the run."""
-        self._drop_removed()
-        assert self._queued is not None
         try:
-            results = self._read(self._queued, fed=False)
+            results, seq = self._read_for_lone_row()
         except Exception as exc:
             return self._fail_batch(exc)
-        self._queued = None
-        live = [s for s in self.rows if not s.removed]
-        if len(live) != 1 or live[0].pending is None:
+        if seq is None:
             return results
-        seq = live[0]
         try:
             out = jump_row(seq, self._model, self._cache, self._vocab, self._pad_runs)
         except Exception as exc:
@@ -482,18 +492,12 @@ class BatchDecoder:
         draft proposes and the target verifies on the batch's own cache. The row may emit several
         tokens; its cache then holds `fed_tokens()` and its next input is `pending`, so a plain
         `decode` (another row joined) carries on from there."""
-        self._drop_removed()
-        results: list[RowResult] = []
-        if self._queued is not None:
-            try:
-                results = self._read(self._queued, fed=False)
-            except Exception as exc:
-                return self._fail_batch(exc)
-            self._queued = None
-        live = [s for s in self.rows if not s.removed]
-        if len(live) != 1 or live[0].pending is None:
+        try:
+            results, seq = self._read_for_lone_row()
+        except Exception as exc:
+            return self._fail_batch(exc)
+        if seq is None:
             return results
-        seq = live[0]
         try:
             out = speculate_row(seq, speculator, self._cache, self._eos)
         except Exception as exc:
