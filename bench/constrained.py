@@ -168,12 +168,7 @@ def plain_argmax(logits: Any) -> Any:
 
 def engine_greedy_choice(logits: Any, words: Any) -> Any:
     """A greedy row's choice as the engine makes it: the forced token, else the fused argmax."""
-    import mlx.core as mx
-
-    (forced,) = masked_choice.forced_tokens(words, logits.shape[-1])
-    if forced is None:
-        return masked_choice.masked_argmax(logits, words)
-    return mx.array([forced], dtype=mx.uint32)
+    return masked_choice.greedy_choice(logits, words)[0]
 
 
 @contextlib.contextmanager

@@ -417,8 +417,7 @@ class BatchDecoder:
                 elif seq.generated >= seq.job.params.max_tokens:
                     finish = "length"
             if finish is not None:
-                seq.finished = seq.removed = True
-                seq.cache = self._extract(self.rows.index(seq))
+                self._finish_row(seq)
             results.append(RowResult(seq, tokens, finish, logprobs))
         return results
 
@@ -443,13 +442,11 @@ class BatchDecoder:
         """One row decodes, on its own cache, under a grammar that forced its last token, greedy
         with nothing but its mask shaping the choice (`batch_jump.can_jump`), a step queued:
         `jump` may replace `decode`."""
-        if not (self.jump_forward and self._queued is not None):
-            return False
-        live = [s for s in self.rows if not s.removed]
         return (
-            can_jump(self.rows, self._cache, solo=self.solo)
-            and live[0].forced_last
+            self.jump_forward
+            and self._queued is not None
             and self._queued.tokens is not None
+            and can_jump(self.rows, self._cache, solo=self.solo)
         )
 
     def jump(self) -> list[RowResult]:
@@ -467,13 +464,11 @@ class BatchDecoder:
             out = jump_row(seq, self._model, self._cache, self._vocab, self._pad_runs)
         except Exception as exc:
             return results + self._fail_batch(exc)
-        mine = [r for r in results if r.seq is seq]
-        if mine:
-            read = mine[0]
-            results[results.index(read)] = RowResult(seq, (*read.tokens, *out.run), out.finish)
+        for i, read in enumerate(results):
+            if read.seq is seq:  # the token read, then the run
+                results[i] = RowResult(seq, (*read.tokens, *out.run), out.finish)
         if out.finish is not None:
-            seq.finished = seq.removed = True
-            seq.cache = self._extract(self.rows.index(seq))
+            self._finish_row(seq)
             return results
         self._inputs = out.upcoming
         self._queued = QueuedStep([seq], out.upcoming, {})
@@ -505,10 +500,14 @@ class BatchDecoder:
         if out.pending is not None:
             self._inputs = mx.array([out.pending], dtype=mx.uint32)
         if out.finish is not None:
-            seq.finished = seq.removed = True
-            seq.cache = self._extract(self.rows.index(seq))
+            self._finish_row(seq)
         results.append(RowResult(seq, out.tokens, out.finish, out.logprobs))
         return results
+
+    def _finish_row(self, seq: BatchSequence) -> None:
+        """`seq` has finished: it leaves at the next step, its cache taken out for a snapshot."""
+        seq.finished = seq.removed = True
+        seq.cache = self._extract(self.rows.index(seq))
 
     def _extract(self, row: int) -> list[Any]:
         """Row `row`'s cache: the lone row's own (no copy) or a copy out of the batch cache."""
@@ -617,19 +616,13 @@ class BatchDecoder:
                 caches.insert(0, self._cache)
                 last = mx.concatenate([self._inputs, last])
             lengths = [batch_mask.sequence_length(c) for c in caches]
-            self._cache = [
-                caches[0][layer].merge([c[layer] for c in caches])
-                for layer in range(len(caches[0]))
-            ]
+            self._cache = batch_mask.merged(caches)
             self._inputs, self.solo = last, False
             batch_mask.adopt(self._cache, batch_mask.aligned_after_merge(lengths))
         else:
             lengths = [batch_mask.sequence_length(c) for c in caches]
             joiners_aligned = batch_mask.aligned_after_merge(lengths)
-            merged = [
-                caches[0][layer].merge([c[layer] for c in caches])
-                for layer in range(len(caches[0]))
-            ]
+            merged = batch_mask.merged(caches)
             aligned = batch_mask.aligned_after_extend(
                 self._cache, lengths[0] if joiners_aligned else None
             )

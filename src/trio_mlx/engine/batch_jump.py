@@ -26,20 +26,23 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine.batch_sequence import BatchSequence
-from trio_mlx.engine.padded_attention import padded_forward
+from trio_mlx.engine.padded_attention import forward_run
 from trio_mlx.structured import masked_choice
 from trio_mlx.structured.forced_runs import MAX_RUN, forced_run
 
 
 def can_jump(rows: list[BatchSequence], cache: list[Any], *, solo: bool) -> bool:
-    """One live row, on its own plain cache (`solo`), under a grammar, greedy with nothing but
-    its mask shaping the choice, without logprobs."""
+    """One live row, on its own plain cache (`solo`), under a grammar that forced its last
+    token, greedy with nothing but its mask shaping the choice, without logprobs."""
+    if not solo:
+        return False
     live = [s for s in rows if not s.removed]
-    if not solo or len(live) != 1:
+    if len(live) != 1:
         return False
     seq = live[0]
     return (
-        seq.grammar is not None
+        seq.forced_last
+        and seq.grammar is not None
         and not seq.processors
         and seq.selector.batch_greedy
         and seq.selector.bias is None
@@ -75,22 +78,11 @@ def jump_row(seq: BatchSequence, model: Any, cache: list[Any], width: int, pad: 
     if seq.generated >= seq.job.params.max_tokens:
         return Jump(tuple(run), "length", None)
     fed = [seq.pending, *run]
-    n = len(fed)
-    if pad:
-        tokens = mx.array(fed + [fed[-1]] * (MAX_RUN + 1 - n), dtype=mx.uint32)[None]
-        logits = padded_forward(model, tokens, cache)[:, n - 1, :]
-        for layer in cache:
-            layer.trim(MAX_RUN + 1 - n)
-    else:
-        logits = model(mx.array(fed, dtype=mx.uint32)[None], cache=cache)[:, -1, :]
+    logits = forward_run(model, fed, cache, MAX_RUN + 1 if pad else None)
     seq.fed_generated.extend(fed)
     seq.pending = None
-    words = grammar.allowed_words()[None]
-    (forced,) = masked_choice.forced_tokens(words, width)
+    upcoming, forced = masked_choice.greedy_choice(logits, grammar.allowed_words()[None])
     seq.forced_last = forced is not None  # a free choice next: the batch decodes it pipelined
-    if forced is not None:
-        upcoming = mx.array([forced], dtype=mx.uint32)
-    else:
-        upcoming = masked_choice.masked_argmax(logits, words).astype(mx.uint32)
+    upcoming = upcoming.astype(mx.uint32)
     mx.async_eval(upcoming)
     return Jump(tuple(run), None, upcoming)

@@ -90,7 +90,7 @@ def prefill_together(
     for seq, n in zip(group, lefts, strict=True):
         tokens = seq.job.prompt_tokens[seq.prompt_done : seq.prompt_done + n]
         rows.append(list(tokens) + [tokens[-1]] * (width - n))
-    batch = [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+    batch = batch_mask.merged(caches)
     batch_mask.adopt(batch, batch_mask.aligned_after_merge(list(cached)))
     model(mx.array(rows, dtype=mx.uint32), cache=batch)
     longest = max(cached)

@@ -59,7 +59,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine.compiled_step import CompiledDecode
-from trio_mlx.engine.padded_attention import padded_attention_default, padded_forward
+from trio_mlx.engine.padded_attention import forward_run, padded_attention_default
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
 from trio_mlx.structured import masked_choice
@@ -383,12 +383,7 @@ class ActiveSequence:
         the token the mask forces when it allows one (no device work), else the fused masked
         argmax (`masked_choice`)."""
         if self._grammar is not None and self._greedy_alone:
-            words = self._grammar.allowed_words()[None]
-            (forced,) = masked_choice.forced_tokens(words, raw.shape[-1])
-            if forced is None:
-                token = masked_choice.masked_argmax(raw, words)
-            else:
-                token = mx.array([forced], dtype=mx.uint32)
+            token, _ = masked_choice.greedy_choice(raw, self._grammar.allowed_words()[None])
             return self._pending(raw, token)
         logits = raw
         if self._processors:
@@ -525,15 +520,7 @@ class ActiveSequence:
         (shape (1, vocab)). Where attention shapes must recur (MLX's CUDA backend) the pass is
         padded to `MAX_RUN` tokens with attention over the cache's whole buffer
         (`padded_attention`) and the padding trimmed off the cache."""
-        n = len(run)
-        if not self._pad_runs:
-            return self._model(mx.array(run, dtype=mx.uint32)[None], cache=self._cache)[:, -1, :]
-        tokens = mx.array(run + [run[-1]] * (MAX_RUN - n), dtype=mx.uint32)[None]
-        logits = padded_forward(self._model, tokens, self._cache)[:, n - 1, :]
-        if n < MAX_RUN:
-            for layer in self._cache:
-                layer.trim(MAX_RUN - n)
-        return logits
+        return forward_run(self._model, run, self._cache, MAX_RUN if self._pad_runs else None)
 
 
 def read_logprobs(token: int, pending: PendingToken) -> TokenLogprob:

@@ -39,6 +39,23 @@ def padded_forward(model: Any, tokens: Any, cache: list[Any]) -> Any:
     return model(tokens, cache=cache if views is None else views)
 
 
+def forward_run(model: Any, tokens: list[int], cache: list[Any], pad_to: int | None) -> Any:
+    """Feed `tokens` (one sequence's) to `model` on `cache` in one pass; return the logits after
+    the last of them (shape (1, vocab)). With `pad_to`, the pass is padded to that many tokens
+    (copies of the last) with attention over the cache's whole buffer (`padded_forward`), so that
+    its shape recurs, and the padding is trimmed off the cache: the same logits and cache."""
+    n = len(tokens)
+    if pad_to is None:
+        return model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)[:, -1, :]
+    assert 0 < n <= pad_to
+    padded = mx.array(tokens + [tokens[-1]] * (pad_to - n), dtype=mx.uint32)[None]
+    logits = padded_forward(model, padded, cache)[:, n - 1, :]
+    if n < pad_to:
+        for layer in cache:
+            layer.trim(pad_to - n)
+    return logits
+
+
 def takes_boolean_mask(model: Any) -> bool:
     """Whether `model` (an mlx-lm model or its trunk) needs a boolean attention mask: its first
     layer's attention is MLA (see the module)."""

@@ -62,6 +62,18 @@ def forced_tokens(words: np.ndarray[Any, np.dtype[np.uint32]], width: int) -> li
     return found
 
 
+def greedy_choice(
+    logits: Any, words: np.ndarray[Any, np.dtype[np.uint32]]
+) -> tuple[Any, int | None]:
+    """A greedy row's token under its mask (`logits` and `words` of one row): the token the mask
+    forces when it allows one (no device work), else the fused masked argmax; shape (1,), lazy.
+    Also the forced token, or None."""
+    (forced,) = forced_tokens(words, logits.shape[-1])
+    if forced is None:
+        return masked_argmax(logits, words), None
+    return mx.array([forced], dtype=mx.uint32), forced
+
+
 def masked_argmax(logits: Any, words: np.ndarray[Any, np.dtype[np.uint32]]) -> Any:
     """Each row's argmax over the tokens its mask allows: shape (rows,), uint32, lazy."""
     return _masked_argmax(logits, *_device_words(words, logits.shape[-1]))
