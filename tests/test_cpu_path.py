@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux CPU backend")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"),
+    reason="not a Linux machine: the CPU path patches libmlx's Linux build (OpenBLAS in its GOT)",
+)
 
 PRODUCT = r"""
 import json, numpy as np, mlx.core as mx

@@ -36,7 +36,10 @@ def words(rng: random.Random) -> str:
     )
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc to count descriptors")
+@pytest.mark.skipif(
+    not Path("/proc/self/fd").exists(),
+    reason="no /proc on this machine (not Linux): open descriptors cannot be counted",
+)
 async def test_disconnect_storm_over_http_and_websocket(
     tiny_model_dir: Path, long_run: bool
 ) -> None:
