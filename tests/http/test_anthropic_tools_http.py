@@ -18,7 +18,9 @@ import pytest
 import trio
 
 from idle import wait_until_idle
-from servers import running_server
+from model_wrappers import GatedModel, wrapping_loader
+from runner_intake import hold_the_runner_intake
+from servers import eventually, running_server
 from tool_fixtures import ASK, CALL, TIME_CALL, Scripted, anthropic_tool, scripted_server
 from tool_fixtures import TOOLS as CHAT_TOOLS
 
@@ -293,7 +295,7 @@ async def test_leaving_a_tool_use_stream_aborts_it_and_frees_the_slot(scripted: 
 
 
 async def test_with_batching_a_tool_stream_gone_leaves_the_message_beside_it_whole(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     other: Any = {
         "model": "tiny",
@@ -302,11 +304,21 @@ async def test_with_batching_a_tool_stream_gone_leaves_the_message_beside_it_who
         "tools": TOOLS,
         "extra_body": {"temperature": 0},
     }
+    loader, made = wrapping_loader(GatedModel)
+    hold = hold_the_runner_intake(monkeypatch)
+    # Chunks cut by the plan alone, not by a pace measured on a busy machine: both prompts
+    # prefill in one step and decode together from their first token (as the OpenAI twin in
+    # test_tools_http.py).
     async with running_server(
-        tiny_model_dir, served_model_names=("tiny",), max_num_seqs=2
+        tiny_model_dir,
+        served_model_names=("tiny",),
+        max_num_seqs=2,
+        loader=loader,
+        prefill_chunk_seconds=60.0,
     ) as server:
         engine = server.state.engine
         assert engine is not None
+        gate, held = made[0].gate, made[0].held
         async with anthropic.AsyncAnthropic(
             base_url=server.url, api_key="unused", max_retries=0, timeout=60
         ) as claude:
@@ -320,15 +332,28 @@ async def test_with_batching_a_tool_stream_gone_leaves_the_message_beside_it_who
                     async for _text in stream.text_stream:
                         seen += 1
                         if seen == 3:
+                            # Hold the runner mid-step, so that the other request is still
+                            # decoding when this one goes.
+                            held.clear()
+                            gate.clear()
+                            await eventually(held.is_set)
                             break
+                # Gone: once the server has aborted it, the runner goes on.
+                await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 1)
+                gate.set()
 
             async def stayer() -> None:
                 result["reply"] = await claude.messages.create(**other)
 
             with trio.fail_after(60):
                 async with trio.open_nursery() as nursery:
+                    hold.close()  # the runner takes both requests at one step boundary
                     nursery.start_soon(leaver)
                     nursery.start_soon(stayer)
+                    await eventually(
+                        lambda: engine.get_stats()["runner"]["requests_in_flight"] == 2
+                    )
+                    hold.open()
             stats = await wait_until_idle(engine)
     assert stats["runner"]["aborted"] == before["aborted"] + 1
     assert max(int(size) for size in stats["runner"]["batch_sizes"]) > 1  # they ran together
