@@ -3,12 +3,13 @@ runner thread only.
 
 `BatchDecoder` holds two groups of `BatchSequence`s (`batch_sequence`):
 - `waiting`: admitted, prefilling on a cache of their own (restored from the prefix cache or
-  fresh), one chunk at a time under the runner's budget (`prefill`). A sequence is ready once
-  every prompt token but the last is in its cache;
-- `rows`: the decode batch. Ready sequences join it at the end of `prefill`: their caches are
-  merged into the batch's (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`, left-padded, via the
-  cache classes' `merge` / `extend` / `filter` / `extract`), and their last prompt token is their
-  input to the next step, whose logits give their first token.
+  fresh), one chunk at a time under the runner's budget (`prefill`), until every prompt token
+  but the last is in its cache;
+- `rows`: the decode batch, on the batch's cache (mlx-lm's `BatchKVCache` /
+  `BatchRotatingKVCache`, left-padded; rows leave it by the cache classes' `filter` / `extract`).
+  Ready sequences join it (`join`): their caches merged into the batch's, their last prompt token
+  their input to the next step, whose logits give their first token. How sequences prefill
+  and join: `batch_join`.
 
 A lone row keeps its own cache (`solo`): while one sequence decodes, the batch's cache is that
 sequence's prompt cache as it prefilled it (mlx-lm's `KVCache` and kin, an integer offset), so
@@ -52,18 +53,16 @@ the only requests it can be attributed to, and the batch starts again empty.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_mask
+from trio_mlx.engine import batch_join, batch_mask
 from trio_mlx.engine.batch_constrained import choose_constrained
+from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_jump import can_jump, jump_row
-from trio_mlx.engine.batch_prefill import choose_group, prefill_together
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
 from trio_mlx.engine.compiled_step import CompiledDecode
@@ -79,8 +78,6 @@ from trio_mlx.engine.speculative import Speculator
 from trio_mlx.structured import masked_choice
 from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
-
-log = logging.getLogger(__name__)
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
 GPU_MAX_NUM_SEQS = 64
@@ -117,18 +114,6 @@ class RowResult:
     finish: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """One prefill chunk of one sequence (or its failure)."""
-
-    seq: BatchSequence
-    prefilled: int = 0
-    store_points: tuple[int, ...] = ()
-    error: str | None = None
-    #: prefilled in one pass with other arrivals (`batch_prefill`), not a chunk of its own
-    grouped: bool = False
 
 
 class QueuedStep:
@@ -547,88 +532,35 @@ class BatchDecoder:
         self._bias_stale = True
         return [RowResult(seq, finish="error", error=error) for seq in failed]
 
-    # ---- prefill ------------------------------------------------------------------------------
+    # ---- joining: prefill, then join (`batch_join`) ------------------------------------------
 
     def prefill(self, tokens: int, seconds: float) -> list[PrefillResult]:
         """Prefill waiting sequences until `tokens` prompt tokens or `seconds` are spent: with
         `group_prefill`, first the short prompts of several arrivals together in one pass where
-        they can (`batch_prefill`); then in admission order a chunk each. Ready sequences join
-        only at `join()`."""
-        results: list[PrefillResult] = []
-        began = time.perf_counter()
-        group = (
-            choose_group(self.waiting, tokens, self._plan.step, self._plan.block)
-            if self.group_prefill and not self._split
-            else []
+        they can (`batch_prefill`); then in admission order a chunk each (`batch_join.prefill`).
+        Ready sequences join only at `join()`."""
+        group = self.group_prefill and not self._split
+        results, group_failed = batch_join.prefill(
+            self._model, self.waiting, self._plan, tokens, seconds, group=group
         )
-        if group:
-            try:
-                done = prefill_together(self._model, group, self._plan.block)
-            except Exception as exc:
-                # Not attributable to one of them: each prefills alone below, where a failure
-                # fails only its own sequence (their caches are as they were).
-                self.group_failures += 1
-                log.warning(
-                    "a prefill pass of %d arrivals failed (%s: %s); they prefill one by one",
-                    len(group),
-                    type(exc).__name__,
-                    exc,
-                )
-            else:
-                for seq, (n, points) in zip(group, done, strict=True):
-                    tokens -= n
-                    results.append(PrefillResult(seq, n, points, grouped=True))
-        for seq in list(self.waiting):
-            if tokens <= 0 or time.perf_counter() - began >= seconds:
-                break
-            if seq.ready:
-                continue
-            try:
-                n, points = seq.prefill_chunk(self._model, tokens)
-            except Exception as exc:
-                self.waiting.remove(seq)
-                results.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
-                continue
-            tokens -= n
-            results.append(PrefillResult(seq, n, points))
+        self.group_failures += group_failed
         return results
 
     def join(self) -> int:
         """Let every ready waiting sequence join the batch (after its prefill's snapshots were
-        taken); return how many joined."""
+        taken; `batch_join.joined`); return how many joined."""
         joiners = [s for s in self.waiting if s.ready]
         if not joiners:
             return 0
         self.waiting = [s for s in self.waiting if not s.ready]
-        caches: list[list[Any]] = []
-        for seq in joiners:
-            assert seq.cache is not None
-            caches.append(seq.cache)
-        last = mx.array([s.job.prompt_tokens[-1] for s in joiners], dtype=mx.uint32)
-        for seq in joiners:
-            seq.cache = None
         self._bias_stale = True
-        if not self.rows and len(joiners) == 1 and self._solo_rows:
-            self._cache, self._inputs, self.solo = caches[0], last, True
-        elif not self.rows or self.solo:
-            # A new batch, or the lone row and the joiners merged into one.
-            if self.solo:
-                caches.insert(0, self._cache)
-                last = mx.concatenate([self._inputs, last])
-            lengths = [batch_mask.sequence_length(c) for c in caches]
-            self._cache = batch_mask.merged(caches)
-            self._inputs, self.solo = last, False
-            batch_mask.adopt(self._cache, batch_mask.aligned_after_merge(lengths))
-        else:
-            lengths = [batch_mask.sequence_length(c) for c in caches]
-            joiners_aligned = batch_mask.aligned_after_merge(lengths)
-            merged = batch_mask.merged(caches)
-            aligned = batch_mask.aligned_after_extend(
-                self._cache, lengths[0] if joiners_aligned else None
-            )
-            for mine, theirs in zip(self._cache, merged, strict=True):
-                mine.extend(theirs)
-            batch_mask.adopt(self._cache, aligned)
-            self._inputs = mx.concatenate([self._inputs, last])
+        self._cache, self._inputs, self.solo = batch_join.joined(
+            joiners,
+            self._cache,
+            self._inputs,
+            empty=not self.rows,
+            solo=self.solo,
+            solo_rows=self._solo_rows,
+        )
         self.rows.extend(joiners)
         return len(joiners)
