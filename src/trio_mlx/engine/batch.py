@@ -3,12 +3,13 @@ runner thread only.
 
 `BatchDecoder` holds two groups of `BatchSequence`s (`batch_sequence`):
 - `waiting`: admitted, prefilling on a cache of their own (restored from the prefix cache or
-  fresh), one chunk at a time under the runner's budget (`prefill`). A sequence is ready once
-  every prompt token but the last is in its cache;
-- `rows`: the decode batch. Ready sequences join it at the end of `prefill`: their caches are
-  merged into the batch's (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`, left-padded, via the
-  cache classes' `merge` / `extend` / `filter` / `extract`), and their last prompt token is their
-  input to the next step, whose logits give their first token.
+  fresh), one chunk at a time under the runner's budget (`prefill`), until every prompt token
+  but the last is in its cache;
+- `rows`: the decode batch, on the batch's cache (mlx-lm's `BatchKVCache` /
+  `BatchRotatingKVCache`, left-padded; rows leave it by the cache classes' `filter` / `extract`).
+  Ready sequences join it (`join`): their caches merged into the batch's, their last prompt token
+  their input to the next step, whose logits give their first token. How sequences prefill
+  and join: `batch_join`.
 
 A lone row keeps its own cache (`solo`): while one sequence decodes, the batch's cache is that
 sequence's prompt cache as it prefilled it (mlx-lm's `KVCache` and kin, an integer offset), so
@@ -29,11 +30,9 @@ failed) leave the batch (`filter`); the next step's forward pass is queued on th
 step k while the host reads step k - 1 and builds step k + 1 (the pipelining of mlx-lm's
 `GenerationBatch`); a finished row costs one wasted row in the step already queued.
 
-Per sequence, as on the serialized route (`decode.ActiveSequence`): its `TokenSelector` (sampling
-parameters, penalties, logit bias, its own PRNG key, so a seeded request draws the same tokens
-whatever its companions), its logits processors called on its own row of logits (shape (1, vocab))
-until they retire, its logprobs, its EOS set and `max_tokens`. Rows that are greedy without
-processors or penalties (logit bias allowed) are chosen by one batched argmax.
+Per sequence, as on the serialized route (`decode.ActiveSequence`): its own token choice
+(`batch_choice`: its sampling, processors, logit bias and logprobs; plain greedy rows by one
+batched argmax), its EOS set and `max_tokens`.
 
 Constrained rows (a job with a `grammar`: each row its own `GrammarMatcher`) are chosen after
 the previous step is read, their masks computed while the device runs the step
@@ -52,18 +51,17 @@ the only requests it can be attributed to, and the batch starts again empty.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_mask
+from trio_mlx.engine import batch_join, batch_mask
+from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
+from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_jump import can_jump, jump_row
-from trio_mlx.engine.batch_prefill import choose_group, prefill_together
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
 from trio_mlx.engine.compiled_step import CompiledDecode
@@ -74,13 +72,9 @@ from trio_mlx.engine.decode import (
     read_logprobs,
 )
 from trio_mlx.engine.padded_attention import padded_attention_default
-from trio_mlx.engine.sampling import logprob_arrays
 from trio_mlx.engine.speculative import Speculator
-from trio_mlx.structured import masked_choice
 from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
-
-log = logging.getLogger(__name__)
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
 GPU_MAX_NUM_SEQS = 64
@@ -117,18 +111,6 @@ class RowResult:
     finish: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     error: str | None = None
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """One prefill chunk of one sequence (or its failure)."""
-
-    seq: BatchSequence
-    prefilled: int = 0
-    store_points: tuple[int, ...] = ()
-    error: str | None = None
-    #: prefilled in one pass with other arrivals (`batch_prefill`), not a chunk of its own
-    grouped: bool = False
 
 
 class QueuedStep:
@@ -196,8 +178,7 @@ class BatchDecoder:
         self.solo = False
         self._inputs: Any = None
         self._queued: QueuedStep | None = None
-        self._bias: Any = None
-        self._bias_stale = True
+        self._choice = BatchChoice(vocab_size)
         self.steps = 0
         #: group prefill passes that raised (their sequences then prefilled one by one)
         self.group_failures = 0
@@ -265,7 +246,7 @@ class BatchDecoder:
             queued = self._queue_step() if self.rows else None
             results = self._read(self._queued) if self._queued is not None else []
             if queued is not None and queued.tokens is None:
-                self._inputs = choose_constrained(queued, self._choose_row)
+                self._inputs = choose_constrained(queued, self._choice.row)
         except Exception as exc:
             return self._fail_batch(exc)
         self._queued = queued
@@ -286,92 +267,14 @@ class BatchDecoder:
         if self.steps % 256 == 0:
             mx.clear_cache()
         if any(seq.grammar is not None for seq in rows):
-            pieces, logprobs = self._choose_pieces(rows, logits, skip_constrained=True)
+            pieces, logprobs = self._choice.pieces(rows, logits, skip_constrained=True)
             ready = [p for p in pieces if p is not None]
             mx.async_eval(logits, *ready, *(a for p in logprobs.values() for a in p.arrays()))
             return QueuedStep(rows, None, logprobs, logits=logits, pieces=pieces)
-        tokens, logprobs = self._choose(rows, logits)
+        tokens, logprobs = self._choice.tokens(rows, logits)
         self._inputs = tokens
         mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
         return QueuedStep(rows, tokens, logprobs)
-
-    def _choose(self, rows: list[BatchSequence], logits: Any) -> tuple[Any, dict[int, Any]]:
-        """The next token of every row (shape (B,), lazy), and the rows' logprob arrays."""
-        greedy: Any = None
-        if any(s.plain for s in rows):
-            bias = self._bias_matrix(rows, logits.shape[-1])
-            greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
-        if all(s.plain and not s.job.params.logprobs for s in rows):
-            return greedy, {}
-        pieces, logprobs = self._choose_pieces(rows, logits, greedy=greedy)
-        return mx.concatenate(pieces), logprobs
-
-    def _choose_pieces(
-        self,
-        rows: list[BatchSequence],
-        logits: Any,
-        *,
-        greedy: Any = None,
-        skip_constrained: bool = False,
-    ) -> tuple[list[Any], dict[int, Any]]:
-        """Each row's token (shape (1,), lazy; None for a constrained row when
-        `skip_constrained`) and the rows' logprob arrays."""
-        if greedy is None and any(s.plain for s in rows):
-            bias = self._bias_matrix(rows, logits.shape[-1])
-            greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
-        pieces: list[Any] = []
-        logprobs: dict[int, Any] = {}
-        for i, seq in enumerate(rows):
-            if skip_constrained and seq.grammar is not None:
-                pieces.append(None)
-                continue
-            pieces.append(self._choose_row(i, seq, logits[i : i + 1], greedy, logprobs))
-        return pieces, logprobs
-
-    def _choose_row(
-        self,
-        i: int,
-        seq: BatchSequence,
-        raw: Any,
-        greedy: Any,
-        logprobs: dict[int, Any],
-        words: Any = None,
-    ) -> Any:
-        try:
-            token = greedy[i : i + 1] if seq.plain else self._sample(seq, raw, words)
-            if seq.job.params.logprobs:
-                chosen, ids, values = logprob_arrays(raw, token, seq.job.params.top_logprobs)
-                logprobs[i] = PendingToken(token, chosen, ids, values)
-        except Exception as exc:
-            seq.failure = f"{type(exc).__name__}: {exc}"
-            token = mx.argmax(raw, -1)
-        return token.astype(mx.uint32)
-
-    def _sample(self, seq: BatchSequence, raw: Any, words: Any = None) -> Any:
-        logits = raw
-        for processor in seq.processors:
-            logits = processor(seq.history, logits)
-        if seq.selector.adjusts_logits:
-            logits = seq.selector.adjust(logits)
-        if words is not None:
-            logits = masked_choice.masked_logits(logits, words)
-        token = seq.selector.choose(logits)
-        if seq.processors:
-            seq.history = mx.concatenate([seq.history, token.astype(mx.int32)])
-        return token
-
-    def _bias_matrix(self, rows: list[BatchSequence], width: int) -> Any:
-        """Every row's logit bias stacked (zeros for rows without one), None when no row has
-        one; rebuilt only when the rows change."""
-        if self._bias_stale:
-            self._bias_stale = False
-            biases = [s.selector.bias if s.plain else None for s in rows]
-            if all(b is None for b in biases) or width != self._vocab:
-                self._bias = None
-            else:
-                zeros = mx.zeros((self._vocab,), dtype=mx.float32)
-                self._bias = mx.stack([zeros if b is None else b for b in biases])
-        return self._bias
 
     def _read(self, queued: QueuedStep, *, fed: bool = True) -> list[RowResult]:
         """The tokens of a queued step; `fed`: the step after it is queued already (so they
@@ -396,7 +299,7 @@ class BatchDecoder:
             if seq.processors:
                 seq.processors = [p for p in seq.processors if not getattr(p, "is_retired", False)]
                 if not seq.processors:
-                    self._bias_stale = True
+                    self._choice.rows_changed()
             finish: str | None = None
             tokens: tuple[int, ...] = ()
             if token in self._eos:
@@ -519,7 +422,7 @@ class BatchDecoder:
         keep = [i for i, seq in enumerate(self.rows) if not seq.removed]
         if len(keep) == len(self.rows):
             return
-        self._bias_stale = True
+        self._choice.rows_changed()
         if not keep:
             self.rows, self._cache, self._inputs, self.solo = [], [], None, False
             return
@@ -544,91 +447,38 @@ class BatchDecoder:
             seq.removed = True
         self.rows, self._cache, self._inputs, self._queued = [], [], None, None
         self.solo = False
-        self._bias_stale = True
+        self._choice.rows_changed()
         return [RowResult(seq, finish="error", error=error) for seq in failed]
 
-    # ---- prefill ------------------------------------------------------------------------------
+    # ---- joining: prefill, then join (`batch_join`) ------------------------------------------
 
     def prefill(self, tokens: int, seconds: float) -> list[PrefillResult]:
         """Prefill waiting sequences until `tokens` prompt tokens or `seconds` are spent: with
         `group_prefill`, first the short prompts of several arrivals together in one pass where
-        they can (`batch_prefill`); then in admission order a chunk each. Ready sequences join
-        only at `join()`."""
-        results: list[PrefillResult] = []
-        began = time.perf_counter()
-        group = (
-            choose_group(self.waiting, tokens, self._plan.step, self._plan.block)
-            if self.group_prefill and not self._split
-            else []
+        they can (`batch_prefill`); then in admission order a chunk each (`batch_join.prefill`).
+        Ready sequences join only at `join()`."""
+        group = self.group_prefill and not self._split
+        results, group_failed = batch_join.prefill(
+            self._model, self.waiting, self._plan, tokens, seconds, group=group
         )
-        if group:
-            try:
-                done = prefill_together(self._model, group, self._plan.block)
-            except Exception as exc:
-                # Not attributable to one of them: each prefills alone below, where a failure
-                # fails only its own sequence (their caches are as they were).
-                self.group_failures += 1
-                log.warning(
-                    "a prefill pass of %d arrivals failed (%s: %s); they prefill one by one",
-                    len(group),
-                    type(exc).__name__,
-                    exc,
-                )
-            else:
-                for seq, (n, points) in zip(group, done, strict=True):
-                    tokens -= n
-                    results.append(PrefillResult(seq, n, points, grouped=True))
-        for seq in list(self.waiting):
-            if tokens <= 0 or time.perf_counter() - began >= seconds:
-                break
-            if seq.ready:
-                continue
-            try:
-                n, points = seq.prefill_chunk(self._model, tokens)
-            except Exception as exc:
-                self.waiting.remove(seq)
-                results.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
-                continue
-            tokens -= n
-            results.append(PrefillResult(seq, n, points))
+        self.group_failures += group_failed
         return results
 
     def join(self) -> int:
         """Let every ready waiting sequence join the batch (after its prefill's snapshots were
-        taken); return how many joined."""
+        taken; `batch_join.joined`); return how many joined."""
         joiners = [s for s in self.waiting if s.ready]
         if not joiners:
             return 0
         self.waiting = [s for s in self.waiting if not s.ready]
-        caches: list[list[Any]] = []
-        for seq in joiners:
-            assert seq.cache is not None
-            caches.append(seq.cache)
-        last = mx.array([s.job.prompt_tokens[-1] for s in joiners], dtype=mx.uint32)
-        for seq in joiners:
-            seq.cache = None
-        self._bias_stale = True
-        if not self.rows and len(joiners) == 1 and self._solo_rows:
-            self._cache, self._inputs, self.solo = caches[0], last, True
-        elif not self.rows or self.solo:
-            # A new batch, or the lone row and the joiners merged into one.
-            if self.solo:
-                caches.insert(0, self._cache)
-                last = mx.concatenate([self._inputs, last])
-            lengths = [batch_mask.sequence_length(c) for c in caches]
-            self._cache = batch_mask.merged(caches)
-            self._inputs, self.solo = last, False
-            batch_mask.adopt(self._cache, batch_mask.aligned_after_merge(lengths))
-        else:
-            lengths = [batch_mask.sequence_length(c) for c in caches]
-            joiners_aligned = batch_mask.aligned_after_merge(lengths)
-            merged = batch_mask.merged(caches)
-            aligned = batch_mask.aligned_after_extend(
-                self._cache, lengths[0] if joiners_aligned else None
-            )
-            for mine, theirs in zip(self._cache, merged, strict=True):
-                mine.extend(theirs)
-            batch_mask.adopt(self._cache, aligned)
-            self._inputs = mx.concatenate([self._inputs, last])
+        self._choice.rows_changed()
+        self._cache, self._inputs, self.solo = batch_join.joined(
+            joiners,
+            self._cache,
+            self._inputs,
+            empty=not self.rows,
+            solo=self.solo,
+            solo_rows=self._solo_rows,
+        )
         self.rows.extend(joiners)
         return len(joiners)

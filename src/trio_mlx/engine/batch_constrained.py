@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 class RowChooser(Protocol):
-    """`BatchDecoder._choose_row`: row `i`'s token (shape (1,), lazy) from its logits `raw`
+    """`BatchChoice.row` (`batch_choice`): row `i`'s token (shape (1,), lazy) from its logits `raw`
     under the mask `words`, its logprob arrays added to `logprobs`."""
 
     def __call__(

@@ -1,5 +1,5 @@
 """Several arrivals prefilled in one forward pass. Runs on the runner thread only, for
-`BatchDecoder.prefill`.
+`batch_join.prefill` (`BatchDecoder.prefill`).
 
 Sequences waiting to join the batch prefill on caches of their own (`BatchSequence`). When many
 arrive together — a crowd of users, an agent's fan-out, a benchmark's burst — prefilling them one

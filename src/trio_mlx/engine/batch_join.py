@@ -1,0 +1,147 @@
+"""Sequences on their way into the decode batch: prefilled, then joined. Runs on the runner
+thread only, for `BatchDecoder.prefill` / `BatchDecoder.join`.
+
+A sequence admitted to the batch (`BatchDecoder.add`) waits in `BatchDecoder.waiting`,
+prefilling on a cache of its own (restored from the prefix cache, or fresh) one chunk at a time
+under the runner's budget (`prefill`). It is ready once every prompt token but the last is in
+its cache; the runner then takes its prefill's snapshots, and it joins (`joined`): its cache is
+merged into the batch's (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`, left-padded, via the
+cache classes' `merge` / `extend`), and its last prompt token is its input to the next step,
+whose logits give its first token.
+
+`prefill` spends a budget of prompt tokens and seconds: with `group`, first the short prompts of
+several arrivals together in one pass where they can (`batch_prefill`); then, in admission order,
+a chunk each (`BatchSequence.prefill_chunk`).
+
+`joined` by the batch it joins (ready sequences join in admission order, after the batch's rows):
+- an empty batch and one joiner, with solo rows: the joiner's own cache becomes the batch's cache
+  as it is (a lone row, `BatchDecoder.solo`: its step is the serialized route's forward pass);
+- an empty batch, or a lone row on its own cache: one new batch cache merged from the lone row's
+  cache (first) and the joiners' (`batch_mask.merged`);
+- a batch cache: the joiners' caches merged, then appended to it as rows (`extend`).
+Each keeps the batch cache's `aligned` fact (`batch_mask`) from lengths known on the host.
+
+Errors: a prefill chunk that raises fails that sequence only (it leaves `waiting`); a group pass
+that raises fails none of them, since it cannot say whose prompt it was: each then prefills alone
+(their caches are as they were), and the failure is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from trio_mlx.engine import batch_mask
+from trio_mlx.engine.batch_prefill import choose_group, prefill_together
+from trio_mlx.engine.batch_sequence import BatchSequence
+from trio_mlx.engine.decode import PrefillPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """One prefill chunk of one sequence (or its failure)."""
+
+    seq: BatchSequence
+    prefilled: int = 0
+    store_points: tuple[int, ...] = ()
+    error: str | None = None
+    #: prefilled in one pass with other arrivals (`batch_prefill`), not a chunk of its own
+    grouped: bool = False
+
+
+def prefill(
+    model: Any,
+    waiting: list[BatchSequence],
+    plan: PrefillPlan,
+    tokens: int,
+    seconds: float,
+    *,
+    group: bool,
+) -> tuple[list[PrefillResult], bool]:
+    """Prefill `waiting` sequences until `tokens` prompt tokens or `seconds` are spent (module
+    docstring); a sequence whose chunk raises leaves `waiting`. Return the results and whether a
+    group pass raised."""
+    results: list[PrefillResult] = []
+    group_failed = False
+    began = time.perf_counter()
+    chosen = choose_group(waiting, tokens, plan.step, plan.block) if group else []
+    if chosen:
+        try:
+            done = prefill_together(model, chosen, plan.block)
+        except Exception as exc:
+            # Not attributable to one of them: each prefills alone below, where a failure
+            # fails only its own sequence (their caches are as they were).
+            group_failed = True
+            log.warning(
+                "a prefill pass of %d arrivals failed (%s: %s); they prefill one by one",
+                len(chosen),
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            for seq, (n, points) in zip(chosen, done, strict=True):
+                tokens -= n
+                results.append(PrefillResult(seq, n, points, grouped=True))
+    for seq in list(waiting):
+        if tokens <= 0 or time.perf_counter() - began >= seconds:
+            break
+        if seq.ready:
+            continue
+        try:
+            n, points = seq.prefill_chunk(model, tokens)
+        except Exception as exc:
+            waiting.remove(seq)
+            results.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
+            continue
+        tokens -= n
+        results.append(PrefillResult(seq, n, points))
+    return results, group_failed
+
+
+def joined(
+    joiners: Sequence[BatchSequence],
+    cache: list[Any],
+    inputs: Any,
+    *,
+    empty: bool,
+    solo: bool,
+    solo_rows: bool,
+) -> tuple[list[Any], Any, bool]:
+    """The batch's cache, its next step's inputs and whether it is a lone row on its own cache,
+    once `joiners` (ready, in order) join a batch (`empty`, else on `cache` with `inputs`, a lone
+    row's own cache when `solo`); with `solo_rows` a lone joiner into an empty batch keeps its own
+    cache (module docstring). Takes each joiner's cache (`seq.cache` becomes None); a batch cache
+    is extended in place."""
+    caches: list[list[Any]] = []
+    for seq in joiners:
+        assert seq.cache is not None
+        caches.append(seq.cache)
+    last = mx.array([s.job.prompt_tokens[-1] for s in joiners], dtype=mx.uint32)
+    for seq in joiners:
+        seq.cache = None
+    if empty and len(joiners) == 1 and solo_rows:
+        return caches[0], last, True
+    if empty or solo:
+        # A new batch, or the lone row and the joiners merged into one.
+        if solo:
+            caches.insert(0, cache)
+            last = mx.concatenate([inputs, last])
+        lengths = [batch_mask.sequence_length(c) for c in caches]
+        merged = batch_mask.merged(caches)
+        batch_mask.adopt(merged, batch_mask.aligned_after_merge(lengths))
+        return merged, last, False
+    lengths = [batch_mask.sequence_length(c) for c in caches]
+    joiners_aligned = batch_mask.aligned_after_merge(lengths)
+    theirs = batch_mask.merged(caches)
+    aligned = batch_mask.aligned_after_extend(cache, lengths[0] if joiners_aligned else None)
+    for layer, joining in zip(cache, theirs, strict=True):
+        layer.extend(joining)
+    batch_mask.adopt(cache, aligned)
+    return cache, mx.concatenate([inputs, last]), False
