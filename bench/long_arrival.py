@@ -124,11 +124,24 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--baseline-s", type=float, default=1.5)
     parser.add_argument("--after-s", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--decode-share",
+        type=float,
+        default=None,
+        help="the pacer's budget for a chunk, in decode steps (default: the engine's)",
+    )
     parser.add_argument("--deadline-s", type=float, default=120.0, help="per repeat")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/trio-mlx-bench"))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    report: dict[str, Any] = {"command": " ".join(["python -m bench.long_arrival", *argv])}
+    from trio_mlx.engine import scheduling
+
+    if args.decode_share is not None:
+        scheduling.DEFAULT_DECODE_SHARE = args.decode_share
+    report: dict[str, Any] = {
+        "command": " ".join(["python -m bench.long_arrival", *argv]),
+        "decode_share": scheduling.DEFAULT_DECODE_SHARE,
+    }
     for spec in args.models.split(","):
         loaded = load_model(resolve_subject(spec, args.workdir).path)
         runs = []

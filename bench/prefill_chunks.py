@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
-
 from bench.compiled_decode import build_synthetic
 from bench.quantized_rows import activation_dtype, batch_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
 from trio_mlx.actors.batch_loop import BATCH_CACHE_LIMIT
 from trio_mlx.engine.padded_attention import padded_forward
 

@@ -72,6 +72,7 @@ from trio_mlx.engine.decode import (
     read_logprobs,
 )
 from trio_mlx.engine.padded_attention import padded_attention_default
+from trio_mlx.engine.prefill_shapes import padded_prefill_default
 from trio_mlx.engine.speculative import Speculator
 from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
@@ -160,6 +161,7 @@ class BatchDecoder:
         max_kv_size: int | None = None,
         split_at_store_points: bool = True,
         compiled: CompiledDecode | None = None,
+        padded_prefill: bool | None = None,
     ) -> None:
         self._model = model
         self._compiled = compiled  # the traced batch step, where the batch's cache fits it
@@ -183,6 +185,10 @@ class BatchDecoder:
         #: group prefill passes that raised (their sequences then prefilled one by one)
         self.group_failures = 0
         self._pad_runs = padded_attention_default()  # jump passes padded to one shape (CUDA)
+        #: prefill chunks of recurring attention shapes (`prefill_shapes`; None: the default)
+        self._padded_prefill = (
+            padded_prefill_default() if padded_prefill is None else padded_prefill
+        )
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -197,6 +203,7 @@ class BatchDecoder:
             cache=cache,
             cached_tokens=cached_tokens,
             split_at_store_points=self._split,
+            padded=self._padded_prefill,
         )
         self.waiting.append(seq)
         return seq

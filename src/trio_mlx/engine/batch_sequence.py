@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 
 from trio_mlx.engine.decode import GenerationJob, LogitsProcessor, PrefillPlan
+from trio_mlx.engine.padded_attention import padded_forward
+from trio_mlx.engine.prefill_shapes import pass_size, reserve, reserved_width
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector
 
@@ -39,6 +41,7 @@ class BatchSequence:
         cache: list[Any] | None,
         cached_tokens: int,
         split_at_store_points: bool,
+        padded: bool = False,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
@@ -50,6 +53,7 @@ class BatchSequence:
         self.cached_tokens = cached_tokens
         self._plan = plan if cached_tokens % plan.block == 0 else PrefillPlan(plan.step)
         self._split = split_at_store_points
+        self._padded = padded  # chunks of recurring attention shapes (`prefill_shapes`)
         last = len(job.prompt_tokens) - 1
         self._store_points = sorted({p for p in job.store_points if cached_tokens < p <= last})
         self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
@@ -108,7 +112,9 @@ class BatchSequence:
     def prefill_chunk(self, model: Any, limit: int) -> tuple[int, tuple[int, ...]]:
         """Run one chunk of at most `limit` prompt tokens (whole blocks, the last padded and cut
         back) on this sequence's own cache; return the tokens prefilled and the store points
-        reached. Raises whatever the model raises."""
+        reached. With `padded`, the chunk's size is a rung of `prefill_shapes.chunk_ladder` and,
+        from the second chunk on, its attention runs over the buffer reserved for the whole
+        prompt (`prefill_shapes`). Raises whatever the model raises."""
         assert self.cache is not None
         remaining = self.remaining_prompt()
         if remaining <= 0:
@@ -117,13 +123,20 @@ class BatchSequence:
         n = min(limit, self._plan.step, remaining)
         if self._split and self._store_points:
             n = min(n, self._store_points[0] - self.prompt_done)
-        if block > 1 and n >= block:
+        padded = self._padded and block > 1
+        if padded:
+            n = pass_size(n, block, self._plan.step)
+        elif block > 1 and n >= block:
             n -= n % block
         chunk = self._prompt[self.prompt_done : self.prompt_done + n]
         padding = -n % block
         if padding:
             chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], padding)])
-        model(chunk[None], cache=self.cache)
+        width = reserved_width(len(self.job.prompt_tokens), block)
+        if padded and reserve(self.cache, width):
+            padded_forward(model, chunk[None], self.cache)
+        else:
+            model(chunk[None], cache=self.cache)
         if padding:
             for layer in self.cache:
                 layer.trim(padding)

@@ -41,6 +41,9 @@ FIT_MIN = 2
 #: A chunk may take this much more than a pass's fixed cost even when the budget is smaller.
 OVERHEAD_SLACK = 0.25
 
+#: While sequences decode, a chunk's budget in their step times (`PrefillPacer.decode_share`).
+DEFAULT_DECODE_SHARE = 2.0
+
 
 @dataclass
 class PrefillPacer:
@@ -58,7 +61,7 @@ class PrefillPacer:
     max_tokens: int = 2048
     block: int = 1
     target_seconds: float = DEFAULT_CHUNK_SECONDS
-    decode_share: float = 2.0
+    decode_share: float = field(default_factory=lambda: DEFAULT_DECODE_SHARE)
     first_tokens: int = 16
     smoothing: float = 0.5
     #: prompt tokens per second, learned (None: nothing measured yet)

@@ -1,0 +1,124 @@
+"""Prefill chunks of recurring attention shapes (`prefill_shapes`, on by default on MLX's CUDA
+backend, switched on here): long prompts admitted to a busy batch are cut into chunks from the
+ladder of sizes, every chunk after a prompt's first attends over one buffer reserved for the whole
+prompt, and every request's tokens are those of the plain chunks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_mlx
+from model_wrappers import wrapping_loader
+from trio_mlx.engine import batch as batch_module
+from trio_mlx.engine.padded_attention import _PaddedView
+from trio_mlx.engine.prefill_shapes import chunk_ladder, pass_size, reserved_width
+
+BLOCK = 16
+STEP = 128
+
+
+def test_the_ladder_and_the_pass_size() -> None:
+    assert chunk_ladder(16, 128) == (16, 32, 64, 128)
+    assert chunk_ladder(64, 100) == (64,)
+    assert pass_size(127, 16, 128) == 64  # the largest rung the budget allows
+    assert pass_size(128, 16, 128) == 128
+    assert pass_size(40, 16, 128) == 32
+    assert pass_size(9, 16, 128) == 9  # less than a block: padded to one
+    assert reserved_width(1000, 64) == 2048  # a block more, rounded up to 1,024
+    assert reserved_width(960, 64) == 1024
+
+
+class ShapeRecorder:
+    """Records every forward pass of more than one token on a cache of one row: (tokens fed,
+    key length its attention sees)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.passes: list[tuple[int, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        fed = int(tokens.shape[1])
+        if fed > 1 and cache and int(tokens.shape[0]) == 1:
+            first = cache[0]
+            keys = first._width if isinstance(first, _PaddedView) else int(first.offset) + fed
+            self.passes.append((fed, keys))
+        return self._inner(tokens, cache=cache)
+
+
+PROMPT_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "owls",
+    "watch",
+    "quietly",
+]
+
+
+def long_prompt(i: int, words: int) -> str:
+    return " ".join(PROMPT_WORDS[(i * 5 + k) % len(PROMPT_WORDS)] for k in range(words))
+
+
+async def arrivals_during_a_decode(model_dir: Path) -> tuple[list[list[int]], ShapeRecorder]:
+    """One request decodes while three long prompts of different lengths arrive; their tokens
+    in arrival order, and the recorder."""
+    loader, made = wrapping_loader(ShapeRecorder)
+    async with trio_mlx.open_engine(
+        model_dir,
+        loader=loader,
+        max_num_seqs=4,
+        prefill_step_size=STEP,
+        prefill_block=BLOCK,
+        prefill_chunk_seconds=0.05,  # chunks well below the step: several a prompt
+        cache_memory_bytes=0,
+    ) as engine:
+        outputs: dict[int, list[int]] = {}
+        started = trio.Event()
+
+        async def running() -> None:
+            async for out in engine.stream_generate(
+                "Once upon a time", max_tokens=120, temperature=0.0
+            ):
+                started.set()
+                outputs.setdefault(0, []).extend(out.new_tokens)
+
+        async def arriving(i: int, words: int) -> None:
+            await started.wait()
+            out = await engine.generate(long_prompt(i, words), max_tokens=8, temperature=0.0)
+            outputs[i] = list(out.tokens)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(running)
+            for i, words in ((1, 150), (2, 333), (3, 90)):
+                nursery.start_soon(arriving, i, words)
+    return [outputs[i] for i in range(4)], made[0]
+
+
+async def test_long_prompts_prefill_in_recurring_shapes_with_the_same_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, plain_shapes = await arrivals_during_a_decode(tiny_model_dir)
+    monkeypatch.setattr(batch_module, "padded_prefill_default", lambda: True)
+    padded, shapes = await arrivals_during_a_decode(tiny_model_dir)
+    assert padded == plain
+    ladder = set(chunk_ladder(BLOCK, STEP))
+    assert shapes.passes and all(fed in ladder for fed, _ in shapes.passes), shapes.passes
+    widths = {keys for _, keys in shapes.passes if keys % 1024 == 0}
+    assert widths, shapes.passes  # chunks after a prompt's first attend over the reserved buffer
+    # Far fewer distinct attention shapes than the plain chunks take.
+    assert len(set(shapes.passes)) < len(set(plain_shapes.passes))
