@@ -29,6 +29,7 @@ from trio_mlx.actors.model_info import ModelInfo, describe
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import PrefillPlan
 from trio_mlx.engine.fast_decode import prepare_fast_decode
+from trio_mlx.engine.kernel_warmup import warm_quantized_kernels
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.mtp import MtpDrafter
@@ -139,6 +140,9 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
         )
     if models.scorer is not None:  # scores whole prompts: many rows a pass
         apply_threshold(models.scorer, rows)
+    for model in (loaded.model, getattr(draft, "model", None), models.scorer):
+        if model is not None:  # CUDA compiles quantized products on first use: not in a request
+            warm_quantized_kernels(model)
     info = describe(loaded, options.max_kv_size)
     plan = PrefillPlan.choose(
         options.prefill_step_size,

@@ -1,0 +1,74 @@
+"""Compile MLX's CUDA kernels for a quantized model's products at load, not in a request.
+Runner thread only (at start-up).
+
+Why (ml-explore/mlx at 846d176, `mlx/backend/cuda/quantized/qmm/qmm_sm80.cu`): the quantized
+matrix product of 8 rows or more (`qmm_sm80`) is CUDA source compiled by NVRTC on first use, one
+module per row tile (16, 32 or 64 rows: `make_cta_tiler`, the rows' next power of two, clamped)
+and per activation dtype, bits, group size and mode. On the H200 host each module took 27-38 s
+to compile (`.gpurun` probe, synthetic Llama-3-8B 4-bit: a decode step of 8 rows 26.9 s the first
+time then 19 ms; of 17 rows 29.6 s then 26 ms; a 64-token prefill 37.7 s then 25 ms). MLX keeps
+the result on disk (`$MLX_PTX_CACHE_DIR`, by default `/tmp/mlx/<version>/ptx`), so a host pays
+each module once; but on a fresh host the first requests of a 4-bit model stalled for about a
+minute and a half while the batch grew through the three tiles (a 16-request burst took 39 s).
+
+What: `warm_quantized_kernels` runs one product of 16, 32 and 64 rows through one quantized layer
+of each distinct (dtype, bits, group size, mode) of the model, below the layer's dequantization
+threshold (`quantized_rows`: rows from there on take a dense product, no `qmm`), so that every
+module the model's decode steps and prefill chunks can ask for is compiled before the engine
+says it is ready. On a host whose cache holds them it costs a few milliseconds.
+
+Where: MLX's CUDA backend (`needed()`); elsewhere the kernels are compiled ahead of time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx.nn import QuantizedEmbedding, QuantizedLinear  # type: ignore[attr-defined]
+
+log = logging.getLogger(__name__)
+
+#: One row count per row tile of `qmm_sm80` (16, 32, 64).
+TILE_ROWS = (16, 32, 64)
+
+
+def needed() -> bool:
+    """Whether quantized products compile on first use here: MLX's CUDA backend."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def warm_quantized_kernels(model: Any, *, force: bool = False) -> int:
+    """Run `TILE_ROWS` products through one quantized layer per distinct kind in `model` (see the
+    module docstring) where `needed()` or `force`; return how many products ran (0: none needed
+    or no quantized layer). Raises whatever MLX raises."""
+    if not (force or needed()):
+        return 0
+    began = time.perf_counter()
+    seen: set[tuple[Any, ...]] = set()
+    ran = 0
+    for _, module in model.named_modules():
+        if not isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            continue
+        mode = getattr(module, "mode", "affine")
+        kind = (module["scales"].dtype, module.bits, module.group_size, mode)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        width = int(module["weight"].shape[-1]) * 32 // int(module.bits)
+        limit = getattr(module, "dequantize_from_rows", None)
+        product = module.as_linear if isinstance(module, QuantizedEmbedding) else module
+        for rows in TILE_ROWS:
+            if limit is not None and rows >= limit:
+                continue
+            mx.eval(product(mx.zeros((rows, width), dtype=module["scales"].dtype)))
+            ran += 1
+    if ran:
+        log.info(
+            "quantized kernels ready in %.1f s (%d kinds; compiled once per host, then cached)",
+            time.perf_counter() - began,
+            len(seen),
+        )
+    return ran

@@ -1,0 +1,42 @@
+"""`kernel_warmup.warm_quantized_kernels`: one product per row tile through one quantized layer of
+each kind (dtype, bits, group size, mode), none past a layer's dequantization threshold; nothing
+where the kernels are compiled ahead of time (here, the CPU) unless forced."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from trio_mlx.engine.kernel_warmup import TILE_ROWS, warm_quantized_kernels
+from trio_mlx.engine.quantized_rows import route_rows
+
+
+class TwoKinds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = [nn.Linear(128, 64) for _ in range(3)]  # three layers of one kind
+        self.b = nn.Linear(64, 64)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        for layer in self.a:
+            x = layer(x)
+        return self.b(x)
+
+
+def quantized() -> TwoKinds:
+    model = TwoKinds()
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda p, _: p.startswith("a"))
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda p, _: p == "b")
+    return model
+
+
+def test_nothing_runs_where_the_kernels_are_compiled_ahead_of_time() -> None:
+    assert warm_quantized_kernels(quantized()) == 0
+
+
+def test_one_product_per_tile_and_kind_below_the_threshold() -> None:
+    model = quantized()
+    assert warm_quantized_kernels(model, force=True) == 2 * len(TILE_ROWS)
+    route_rows(model, 32)  # 32 rows and more take the dense product: no quantized kernel
+    assert warm_quantized_kernels(model, force=True) == 2 * sum(r < 32 for r in TILE_ROWS)
+    assert warm_quantized_kernels(nn.Linear(8, 8), force=True) == 0  # nothing quantized
