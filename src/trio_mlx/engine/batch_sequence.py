@@ -132,8 +132,7 @@ class BatchSequence:
         padding = -n % block
         if padding:
             chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], padding)])
-        width = reserved_width(len(self.job.prompt_tokens), block)
-        if padded and reserve(self.cache, width):
+        if padded and reserve(self.cache, reserved_width(len(self.job.prompt_tokens), block)):
             padded_forward(model, chunk[None], self.cache)
         else:
             model(chunk[None], cache=self.cache)
