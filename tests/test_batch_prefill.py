@@ -190,3 +190,30 @@ def test_a_failing_group_pass_falls_back_to_one_pass_each(loaded: LoadedModel) -
     batch.join()
     tokens = run(batch)
     assert [tokens[0], tokens[2]] == [alone(loaded, PROMPTS[0], 10), alone(loaded, PROMPTS[2], 10)]
+
+
+def test_bucketed_groups_take_a_rung_and_a_power_of_two_of_rows(loaded: LoadedModel) -> None:
+    """With recurring shapes (`prefill_shapes`, CUDA's default, switched on here) three arrivals
+    go through one pass of four rows (the last copied) and a width from the chunk ladder, and
+    decode as alone; the copied row leaves no trace."""
+    model = PassLog(loaded.model)
+    batch = BatchDecoder(
+        model,
+        frozenset(),
+        vocab_size=len(loaded.tokenizer),
+        plan=PrefillPlan(64, 16, 8),  # blocks of 8: the ladder is 8, 16, 32, 64
+        split_at_store_points=False,
+        padded_prefill=True,
+    )
+    prompts, cached = PROMPTS[1:], [0, 0, 8]  # 23, 14 and 31 tokens, the last 8 of them cached
+    for i, (prompt, n) in enumerate(zip(prompts, cached, strict=True)):
+        cache = prefix_cache(loaded, prompt[:n]) if n else None
+        batch.add(job(i, prompt), cache, n)
+    results = batch.prefill(4096, 60.0)
+    assert model.passes == [(4, 32)]  # longest rest 22 tokens: 3 blocks, the rung above is 32
+    assert [r.prefilled for r in results] == [
+        len(p) - 1 - n for p, n in zip(prompts, cached, strict=True)
+    ]
+    assert batch.join() == 3 and len(batch.rows) == 3
+    tokens = run(batch)
+    assert [tokens[i] for i in range(3)] == [alone(loaded, p, 10) for p in prompts]

@@ -148,7 +148,8 @@ class BatchDecoder:
     #: several arrivals' short prompts prefill in one pass (`batch_prefill`). Off: on the H200
     #: it did not pay where measured (`bench.burst`, docs/benchmarks: few groups formed, since
     #: arrivals reach the runner one tokenization at a time, and each new (rows, tokens) shape
-    #: of a group pass costs MLX's CUDA backend a new attention graph); kept for bucketed shapes
+    #: of a group pass cost MLX's CUDA backend a new attention graph). Its passes now take
+    #: bucketed shapes where prefill chunks do (`padded_prefill`): not yet measured there
     group_prefill = False
 
     def __init__(
@@ -466,7 +467,13 @@ class BatchDecoder:
         Ready sequences join only at `join()`."""
         group = self.group_prefill and not self._split
         results, group_failed = batch_join.prefill(
-            self._model, self.waiting, self._plan, tokens, seconds, group=group
+            self._model,
+            self.waiting,
+            self._plan,
+            tokens,
+            seconds,
+            group=group,
+            bucketed=self._padded_prefill,
         )
         self.group_failures += group_failed
         return results

@@ -64,17 +64,19 @@ def prefill(
     seconds: float,
     *,
     group: bool,
+    bucketed: bool = False,
 ) -> tuple[list[PrefillResult], bool]:
     """Prefill `waiting` sequences until `tokens` prompt tokens or `seconds` are spent (module
-    docstring); a sequence whose chunk raises leaves `waiting`. Return the results and whether a
-    group pass raised."""
+    docstring; `bucketed`: a group pass takes a bucketed shape, `batch_prefill`); a sequence
+    whose chunk raises leaves `waiting`. Return the results and whether a group pass raised."""
     results: list[PrefillResult] = []
     group_failed = False
     began = time.perf_counter()
     chosen = choose_group(waiting, tokens, plan.step, plan.block) if group else []
     if chosen:
         try:
-            done = prefill_together(model, chosen, plan.block)
+            step = plan.step if bucketed and plan.block > 1 else None
+            done = prefill_together(model, chosen, plan.block, bucketed_up_to=step)
         except Exception as exc:
             # Not attributable to one of them: each prefills alone below, where a failure
             # fails only its own sequence (their caches are as they were).

@@ -19,6 +19,12 @@ through the model in one pass:
   exactly its prefix and its prompt (the `BatchSequence` joins the decode batch as usual, and its
   store points' snapshots are taken from that cache).
 
+With `bucketed` (the decoder's recurring shapes on MLX's CUDA backend, `prefill_shapes`), the
+pass's shape is taken from a few: its width is the smallest rung of the chunk ladder that holds
+the longest rest, and its rows are padded to a power of two with copies of the last sequence's
+row (cache and tokens; their results are dropped), so that a burst's group passes recur in a
+few (rows, tokens) shapes whose attention graphs cuDNN builds once, not one per group.
+
 Where every cached prefix has one length the pass needs no array mask (rows are aligned: the
 plain causal mask), else mlx-lm's left-padding mask. Only plain `KVCache` layers are grouped: a
 rotating, quantized or recurrent cache (whose state would take the padding in) prefills alone.
@@ -35,6 +41,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine import batch_mask
+from trio_mlx.engine.prefill_shapes import chunk_ladder
 
 if TYPE_CHECKING:
     from trio_mlx.engine.batch_sequence import BatchSequence
@@ -73,11 +80,12 @@ def choose_group(
 
 
 def prefill_together(
-    model: Any, group: Sequence[BatchSequence], block: int
+    model: Any, group: Sequence[BatchSequence], block: int, *, bucketed_up_to: int | None = None
 ) -> list[tuple[int, tuple[int, ...]]]:
     """Prefill the rest of every prompt of `group` but its last token in one forward pass, each
     row's cache left holding exactly its prefix and its prompt (module docstring); return each
-    sequence's tokens prefilled and store points reached. Raises whatever the model raises,
+    sequence's tokens prefilled and store points reached. With `bucketed_up_to` (the plan's
+    step), the pass's shape is bucketed (module docstring). Raises whatever the model raises,
     before any sequence changes."""
     caches: list[list[Any]] = []
     for seq in group:
@@ -86,16 +94,23 @@ def prefill_together(
     cached = [int(c[0].offset) for c in caches]
     lefts = [seq.remaining_prompt() for seq in group]
     width = _whole_blocks(max(lefts), block)
+    spare = 0
+    if bucketed_up_to is not None:
+        width = min((r for r in chunk_ladder(block, bucketed_up_to) if r >= width), default=width)
+        spare = (1 << (len(group) - 1).bit_length()) - len(group)
     rows = []
     for seq, n in zip(group, lefts, strict=True):
         tokens = seq.job.prompt_tokens[seq.prompt_done : seq.prompt_done + n]
         rows.append(list(tokens) + [tokens[-1]] * (width - n))
+    rows += [rows[-1]] * spare
+    caches += [caches[-1]] * spare
+    cached += [cached[-1]] * spare
     batch = batch_mask.merged(caches)
     batch_mask.adopt(batch, batch_mask.aligned_after_merge(list(cached)))
     model(mx.array(rows, dtype=mx.uint32), cache=batch)
     longest = max(cached)
     own: list[list[KVCache]] = []
-    for row, (before, n) in enumerate(zip(cached, lefts, strict=True)):
+    for row, (before, n) in enumerate(zip(cached[: len(group)], lefts, strict=True)):
         start = longest - before  # the row's left padding
         own.append([_row_cache(layer, row, start, longest + n) for layer in batch])
     mx.eval([c.state for cache in own for c in cache])
