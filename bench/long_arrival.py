@@ -109,6 +109,7 @@ async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -
                     "long_prompt_tokens": out.prompt_tokens,
                     "gaps_during": len(during),
                     "prefill_chunks": engine.get_stats()["runner"].get("prefill_chunks"),
+                    "slowest_recent_step": engine.get_stats()["runner"]["slowest_recent_step"],
                 }
     if not result:
         raise SystemExit(f"deadline of {args.deadline_s} s passed before the long prompt ended")

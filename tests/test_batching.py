@@ -84,6 +84,9 @@ async def test_eight_prompts_in_one_batch_equal_each_alone(
         assert all(o.finish_reason == "length" for o in outputs)
         assert stats["runner"]["batching"] is True
         assert max(int(size) for size in stats["runner"]["batch_sizes"]) == 8
+        slowest = stats["runner"]["slowest_recent_step"]  # phases within the step's time
+        assert slowest["seconds"] >= slowest["decode_s"] + slowest["prefill_s"] > 0
+        assert slowest["steps_after_join"] in (None, *range(1, 12))  # one join, ten steps after
         await assert_idle(engine)
 
 

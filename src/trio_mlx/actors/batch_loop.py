@@ -75,6 +75,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
     lane = MediaLane(runner, loaded)
     counters = runner.counters
     pacer = runner.pacer
+    since_join: int | None = None  # steps since the last join (None: none yet)
     while True:
         busy = batch.busy or len(lane) > 0
         if runner._stop.is_set() or (not busy and not runner._wait_for_command()):
@@ -84,6 +85,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             runner._emit(events, [])
             continue
         began = time.perf_counter()
+        decode_seconds = prefill_seconds = 0.0
         stores: _Stores = []
         rows = batch.decoding
         if rows or batch.rows:
@@ -113,6 +115,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 counters.batch_sizes[rows] = counters.batch_sizes.get(rows, 0) + 1
             runner._emit(events, stores)
             events, stores = [], []
+            decode_seconds = time.perf_counter() - began
         if lane:
             lane.step(batch.decoding, 1, events, stores)
             runner._emit(events, stores)
@@ -146,13 +149,20 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 counters.prefill_chunks += 1
             counters.prompt_tokens += prefilled
             runner._emit(events, stores)
-            counters.prompt_tokens += batch.join()
+            prefill_seconds = time.perf_counter() - chunk_began
+            joined = batch.join()
+            counters.prompt_tokens += joined
+        else:
+            joined = 0
         counters.steps += 1
         counters.live = batch.live + len(lane)
         counters.decoding = batch.decoding
         counters.prefilling = len(batch.waiting)
         counters.kv_bytes = batch.kv_bytes()
-        counters.busy_seconds += time.perf_counter() - began
+        seconds = time.perf_counter() - began
+        counters.busy_seconds += seconds
+        counters.note_step(seconds, decode_seconds, prefill_seconds, since_join)
+        since_join = 1 if joined else None if since_join is None else since_join + 1
 
 
 def _apply(runner: Runner, batch: BatchDecoder, lane: MediaLane) -> list[SequenceEvent]:

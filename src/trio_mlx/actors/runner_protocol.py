@@ -13,6 +13,7 @@ Messages are frozen dataclasses; an `Answer` is resolved at most once, on the Tr
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,10 @@ class ClearSnapshots:
 Command = StartJob | AbortJob | ClearSnapshots
 
 
+#: steps kept for `RunnerCounters.slowest_recent_step` (a few seconds of a busy batch)
+RECENT_STEPS = 256
+
+
 @dataclass
 class RunnerCounters:
     """Written by the runner thread only; read by anyone (plain ints)."""
@@ -105,3 +110,29 @@ class RunnerCounters:
     #: vision-language model: `media_lane`)
     media: int = 0
     media_steps: int = 0
+    #: the batched route's last `RECENT_STEPS` steps: (seconds, of them decode, of them prefill,
+    #: steps since the last join or None), for `slowest_recent_step`
+    recent_steps: deque[tuple[float, float, float, int | None]] = dataclasses.field(
+        default_factory=lambda: deque(maxlen=RECENT_STEPS)
+    )
+
+    def note_step(
+        self, seconds: float, decode: float, prefill: float, since_join: int | None
+    ) -> None:
+        """A batched step took `seconds` (`decode` and `prefill` of it), `since_join` steps after
+        the last join (1: the first step after one; its decode reads the step queued before the
+        join, so a join's own device work shows in the second)."""
+        self.recent_steps.append((seconds, decode, prefill, since_join))
+
+    def slowest_recent_step(self) -> dict[str, Any] | None:
+        """The slowest of the recent steps, by phase (None: no step yet). Any thread."""
+        recent = list(self.recent_steps)  # one C-level copy under the GIL
+        if not recent:
+            return None
+        seconds, decode, prefill, since_join = max(recent)
+        return {
+            "seconds": seconds,
+            "decode_s": decode,
+            "prefill_s": prefill,
+            "steps_after_join": since_join,
+        }
