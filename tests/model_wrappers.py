@@ -122,18 +122,18 @@ class PausingModel(_Wrapped):
 def break_the_runner_loop(monkeypatch: Any, at_call: int = 3) -> None:
     """Make the runner's own loop (not the model) raise on its `at_call`-th command batch, which
     kills the runner thread: the engine can no longer serve."""
-    from trio_mlx.actors.runner import Runner
+    from trio_mlx.actors import serial_loop
 
-    original = Runner._take_commands
+    original = serial_loop._take_commands
     calls = {"n": 0}
 
-    def dying(self: Runner, live: Any, loaded: Any) -> Any:
+    def dying(runner: Any, live: Any, loaded: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == at_call:
             raise RuntimeError("the runner loop itself broke")
-        return original(self, live, loaded)
+        return original(runner, live, loaded)
 
-    monkeypatch.setattr(Runner, "_take_commands", dying)
+    monkeypatch.setattr(serial_loop, "_take_commands", dying)
 
 
 class RecordingModel(_Wrapped):

@@ -6,7 +6,7 @@ A `GatedModel` holds the runner inside a forward pass, after it has already take
 request: the others then arrive one step later, and on a busy machine the first may be decoding
 (or done) before they join. `IntakeHold` holds it one step earlier, at the top of its loop, where
 it applies its queued commands (the batched route's `batch_loop._apply`, the serialized route's
-`Runner._take_commands`).
+`serial_loop._take_commands`).
 """
 
 from __future__ import annotations
@@ -44,20 +44,19 @@ class IntakeHold:
 
 def hold_the_runner_intake(monkeypatch: Any) -> IntakeHold:
     """Install an `IntakeHold` (open) on both runner routes for the rest of the test."""
-    from trio_mlx.actors import batch_loop
-    from trio_mlx.actors.runner import Runner
+    from trio_mlx.actors import batch_loop, serial_loop
 
     hold = IntakeHold()
-    apply, take = batch_loop._apply, Runner._take_commands
+    apply, take = batch_loop._apply, serial_loop._take_commands
 
     def held_apply(runner: Any, batch: Any, *rest: Any) -> Any:
         hold.wait_if_closed()
         return apply(runner, batch, *rest)
 
-    def held_take(self: Runner, live: Any, loaded: Any) -> Any:
+    def held_take(runner: Any, live: Any, loaded: Any) -> Any:
         hold.wait_if_closed()
-        return take(self, live, loaded)
+        return take(runner, live, loaded)
 
     monkeypatch.setattr(batch_loop, "_apply", held_apply)
-    monkeypatch.setattr(Runner, "_take_commands", held_take)
+    monkeypatch.setattr(serial_loop, "_take_commands", held_take)
     return hold

@@ -375,7 +375,7 @@ async def test_a_constrained_request_decodes_without_the_draft_and_as_without_on
     tiny_model_dir: Path, near_draft_dir: Path, max_num_seqs: int
 ) -> None:
     """A grammar's state cannot be rewound, so a request under an output format never
-    speculates (`Runner._take_commands`, `Batch.can_speculate`): its output is schema-valid and
+    speculates (`serial_loop._take_commands`, `Batch.can_speculate`): its output is schema-valid and
     the same as on an engine without a draft, and no token is drafted for it."""
     fmt = OutputFormat.json_schema(CITY_SCHEMA)
     sampling: dict[str, Any] = {"max_tokens": 120, "temperature": 0.0, "output_format": fmt}

@@ -22,10 +22,10 @@ Start-up (`runner_start`, on the thread, before `started`): the models are loade
 decode step, the prefill plan, the route and the speculator are chosen.
 
 Two routes, chosen once the model is loaded:
-- serialized (`max_num_seqs == 1`, or a model whose cache cannot be batched): a step is one
-  prefill chunk or one decode token of each live sequence (`decode.ActiveSequence`), or the
-  vision encoding of a request with media (`multimodal.job.MultimodalSequence`, whose first
-  step it is);
+- serialized (`max_num_seqs == 1`, or a model whose cache cannot be batched):
+  `serial_loop.serve_serialized`: a step is one prefill chunk or one decode token of each live
+  sequence (`decode.ActiveSequence`), or the vision encoding of a request with media
+  (`multimodal.job.MultimodalSequence`, whose first step it is);
 - batched (`max_num_seqs > 1`): `batch_loop.serve_batched`, one decode step over every running
   sequence plus a prefill chunk of those waiting to join (continuous batching). On a
   vision-language model its text-only requests batch like a text model's; its requests with
@@ -56,13 +56,10 @@ Prefix caching (when a `KVCacheManager` is attached and enabled), through the ru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,29 +85,21 @@ from trio_mlx.actors.runner_threads import (
     runner_stream,
     start_runner_thread,
 )
+from trio_mlx.actors.serial_loop import serve_serialized
 from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.compiled_step import CompiledDecode
-from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
+from trio_mlx.engine.decode import GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
-from trio_mlx.engine.specprefill import (
-    SpecPrefillCounters,
-    SpecPrefillSequence,
-    SpecPrefillSettings,
-)
+from trio_mlx.engine.specprefill import SpecPrefillCounters, SpecPrefillSettings
 from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator
-from trio_mlx.engine.speculative_sequence import SpeculativeSequence
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
 from trio_mlx.multimodal.vision import VisionFeatureCache
 from trio_mlx.types import FinishReason
 
 log = logging.getLogger(__name__)
-
-#: What the serialized route steps: a text sequence, one with a draft, one with media, or a long
-#: prompt's sparse prefill.
-LiveSequence = ActiveSequence | SpeculativeSequence | MultimodalSequence | SpecPrefillSequence
 
 #: Seconds without work after which the runner frees MLX's buffer cache.
 IDLE_TRIM_SECONDS = 30.0
@@ -364,7 +353,7 @@ class Runner:
             if self.batching:
                 serve_batched(self, models.target)
             else:
-                self._serve_serialized(models.target)
+                serve_serialized(self, models.target)
 
     def _emit(
         self,
@@ -385,150 +374,6 @@ class Runner:
             events = [e for e in events if e.finish is not None]
         if events:
             deliver(self._deliver, tuple(events))
-
-    def _serve_serialized(self, loaded: LoadedModel) -> None:
-        """The serialized route: each live sequence steps on its own (`ActiveSequence`)."""
-        live: dict[int, LiveSequence] = {}
-        counters = self.counters
-        pacer = self.pacer
-        while True:
-            if self._stop.is_set() or (not live and not self._wait_for_command()):
-                return
-            events = self._take_commands(live, loaded)
-            if not live:
-                self._emit(events, [])
-                continue
-            began = time.perf_counter()
-            stores: list[tuple[Any, CacheKind, int | None]] = []
-            for request_id, seq in list(live.items()):
-                prefill = seq.in_prefill
-                try:
-                    chunk_began = time.perf_counter()
-                    result = seq.step(pacer.chunk_tokens() if prefill else None)
-                    if prefill and not result.tokens and result.finish is None:
-                        pacer.observe_chunk(result.prefilled, time.perf_counter() - chunk_began)
-                except Exception as exc:
-                    log.exception("request %d failed inside the model", request_id)
-                    del live[request_id]
-                    counters.failed += 1
-                    events.append(
-                        SequenceEvent(
-                            request_id,
-                            finish="error",
-                            error=f"{type(exc).__name__}: {exc}",
-                            cached_tokens=seq.cached_tokens,
-                        )
-                    )
-                    continue
-                counters.prompt_tokens += result.prefilled
-                if prefill and not result.tokens and result.finish is None:
-                    counters.prefill_chunks += 1
-                else:
-                    counters.decode_steps += 1
-                counters.generated_tokens += len(result.tokens)
-                last = len(seq.job.prompt_tokens) - 1
-                for point in result.store_points:  # none from a SpecPrefill sequence
-                    stores.append((seq, "prompt" if point == last else "system", point))
-                if result.finish is not None:
-                    del live[request_id]
-                    if getattr(seq, "snapshot_safe", True):
-                        stores.append((seq, "conversation", None))
-                if result.tokens or result.finish is not None:
-                    finish: FinishReason | None = result.finish  # type: ignore[assignment]
-                    events.append(
-                        SequenceEvent(
-                            request_id,
-                            result.tokens,
-                            finish,
-                            None,
-                            result.logprobs,
-                            seq.cached_tokens,
-                        )
-                    )
-            counters.steps += 1
-            counters.live = len(live)
-            self._emit(events, stores)
-            counters.busy_seconds += time.perf_counter() - began
-
-    def _take_commands(
-        self, live: dict[int, LiveSequence], loaded: LoadedModel
-    ) -> list[SequenceEvent]:
-        """Apply every queued command; return the events they cause (a job that cannot start)."""
-        events: list[SequenceEvent] = []
-        vocab_size = self.info.vocab_size if self.info is not None else len(loaded.tokenizer)
-        support = self.info.cache_support if self.info is not None else None
-        trimmable = support is not None and support.trimmable
-        plan = self._prefill_plan
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(command, AbortJob):
-                seq = live.pop(command.request_id, None)
-                if seq is not None:
-                    self.counters.aborted += 1
-                    if command.store and seq.prefill_done and getattr(seq, "snapshot_safe", True):
-                        self._snapshots.store(seq, "conversation")
-                continue
-            if isinstance(command, ClearSnapshots):
-                assert self._token is not None
-                self._token.run_sync_soon(command.reply.resolve, self._snapshots.clear())
-                continue
-            job = command.job
-            try:
-                if isinstance(job, MultimodalJob):
-                    live[job.request_id] = self._multimodal_sequence(job, loaded, vocab_size)
-                    self.counters.started += 1
-                    continue
-                if self.scorer is not None and self.specprefill.applies(
-                    len(job.prompt_tokens), job.params.specprefill
-                ):
-                    # Approximate: from no cached prefix, and nothing of it is stored.
-                    live[job.request_id] = SpecPrefillSequence(
-                        job,
-                        loaded.model,
-                        self.scorer,
-                        self.specprefill,
-                        self.specprefill_counters,
-                        loaded.eos_token_ids,
-                        vocab_size=vocab_size,
-                        chunk_tokens=plan.step,
-                    )
-                    self.counters.started += 1
-                    continue
-                cache, cached_tokens = self._snapshots.restore_for(job, plan.block)
-                # A processor's or a grammar's state cannot be rewound: such requests decode
-                # without the draft.
-                rewindable = not job.logits_processors and job.grammar is None
-                speculator = self.speculator if rewindable else None
-                make = (
-                    partial(ActiveSequence, compiled=self.compiled)
-                    if speculator is None
-                    else partial(SpeculativeSequence, speculator)
-                )
-                live[job.request_id] = make(
-                    job,
-                    loaded.model,
-                    loaded.eos_token_ids,
-                    plan if cached_tokens % plan.block == 0 else dataclasses.replace(plan, block=1),
-                    vocab_size=vocab_size,
-                    max_kv_size=self._max_kv_size,
-                    cache=cache,
-                    cached_tokens=cached_tokens,
-                    split_at_store_points=not trimmable,
-                )
-                self.counters.started += 1
-            except Exception as exc:
-                log.exception("request %d could not start", job.request_id)
-                self.counters.failed += 1
-                events.append(
-                    SequenceEvent(
-                        job.request_id, finish="error", error=f"{type(exc).__name__}: {exc}"
-                    )
-                )
-        self.counters.live = len(live)
-        return events
 
     def _multimodal_sequence(
         self, job: MultimodalJob, loaded: LoadedModel, vocab_size: int

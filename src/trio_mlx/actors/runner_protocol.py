@@ -2,7 +2,7 @@
 
 - Trio -> runner, through the runner's command queue: `StartJob`, `AbortJob`,
   `ClearSnapshots` (a `Command`), read by the thread between steps on either route
-  (`Runner._take_commands`, `batch_loop._apply`);
+  (`serial_loop._take_commands`, `batch_loop._apply`);
 - runner -> Trio, with `TrioToken.run_sync_soon`: one batch of `SequenceEvent`s a step, and the
   value of an `Answer`;
 - `RunnerCounters`: written by the runner thread only, read by anyone (`Engine.get_stats`).
