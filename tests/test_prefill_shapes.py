@@ -1,10 +1,12 @@
 """Prefill chunks of recurring attention shapes (`prefill_shapes`, on by default on MLX's CUDA
 backend, switched on here): long prompts admitted to a busy batch are cut into chunks from the
 ladder of sizes, every chunk after a prompt's first attends over one buffer reserved for the whole
-prompt, and every request's tokens are those of the plain chunks."""
+prompt, and every request's tokens are those of the plain chunks; one of them aborted while a
+padded chunk runs leaves the others' tokens as they were and nothing held."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import trio
 
 import trio_mlx
 from model_wrappers import wrapping_loader
+from test_batching import assert_idle
 from trio_mlx.engine import batch as batch_module
 from trio_mlx.engine.padded_attention import _PaddedView
 from trio_mlx.engine.prefill_shapes import chunk_ladder, pass_size, reserved_width
@@ -34,11 +37,15 @@ def test_the_ladder_and_the_pass_size() -> None:
 
 class ShapeRecorder:
     """Records every forward pass of more than one token on a cache of one row: (tokens fed,
-    key length its attention sees)."""
+    key length its attention sees). With `hold` cleared, the first padded pass waits for it
+    (`held` set meanwhile)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.passes: list[tuple[int, int]] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.held = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -49,6 +56,9 @@ class ShapeRecorder:
             first = cache[0]
             keys = first._width if isinstance(first, _PaddedView) else int(first.offset) + fed
             self.passes.append((fed, keys))
+            if isinstance(first, _PaddedView) and not self.hold.is_set():
+                self.held.set()
+                self.hold.wait(timeout=30)
         return self._inner(tokens, cache=cache)
 
 
@@ -74,9 +84,12 @@ def long_prompt(i: int, words: int) -> str:
     return " ".join(PROMPT_WORDS[(i * 5 + k) % len(PROMPT_WORDS)] for k in range(words))
 
 
-async def arrivals_during_a_decode(model_dir: Path) -> tuple[list[list[int]], ShapeRecorder]:
+async def arrivals_during_a_decode(
+    model_dir: Path, *, abort: int | None = None
+) -> tuple[dict[int, list[int]], ShapeRecorder]:
     """One request decodes while three long prompts of different lengths arrive; their tokens
-    in arrival order, and the recorder."""
+    by request, and the recorder. With `abort`, that arrival is cancelled while the first padded
+    chunk is held in the model, and the engine is checked idle at the end."""
     loader, made = wrapping_loader(ShapeRecorder)
     async with trio_mlx.open_engine(
         model_dir,
@@ -89,6 +102,9 @@ async def arrivals_during_a_decode(model_dir: Path) -> tuple[list[list[int]], Sh
     ) as engine:
         outputs: dict[int, list[int]] = {}
         started = trio.Event()
+        scopes = {i: trio.CancelScope() for i in (1, 2, 3)}
+        if abort is not None:
+            made[0].hold.clear()
 
         async def running() -> None:
             async for out in engine.stream_generate(
@@ -99,14 +115,22 @@ async def arrivals_during_a_decode(model_dir: Path) -> tuple[list[list[int]], Sh
 
         async def arriving(i: int, words: int) -> None:
             await started.wait()
-            out = await engine.generate(long_prompt(i, words), max_tokens=8, temperature=0.0)
-            outputs[i] = list(out.tokens)
+            with scopes[i]:
+                out = await engine.generate(long_prompt(i, words), max_tokens=8, temperature=0.0)
+                outputs[i] = list(out.tokens)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(running)
             for i, words in ((1, 150), (2, 333), (3, 90)):
                 nursery.start_soon(arriving, i, words)
-    return [outputs[i] for i in range(4)], made[0]
+            if abort is not None:
+                await trio.to_thread.run_sync(made[0].held.wait, 30.0)
+                scopes[abort].cancel()
+                await trio.sleep(0.05)  # the abort reaches the runner's inbox
+                made[0].hold.set()
+        if abort is not None:
+            await assert_idle(engine)
+    return outputs, made[0]
 
 
 async def test_long_prompts_prefill_in_recurring_shapes_with_the_same_tokens(
@@ -115,10 +139,21 @@ async def test_long_prompts_prefill_in_recurring_shapes_with_the_same_tokens(
     plain, plain_shapes = await arrivals_during_a_decode(tiny_model_dir)
     monkeypatch.setattr(batch_module, "padded_prefill_default", lambda: True)
     padded, shapes = await arrivals_during_a_decode(tiny_model_dir)
-    assert padded == plain
+    assert padded == plain and sorted(plain) == [0, 1, 2, 3]
     ladder = set(chunk_ladder(BLOCK, STEP))
     assert shapes.passes and all(fed in ladder for fed, _ in shapes.passes), shapes.passes
     widths = {keys for _, keys in shapes.passes if keys % 1024 == 0}
     assert widths, shapes.passes  # chunks after a prompt's first attend over the reserved buffer
     # Far fewer distinct attention shapes than the plain chunks take.
     assert len(set(shapes.passes)) < len(set(plain_shapes.passes))
+
+
+async def test_an_abort_during_a_padded_chunk_disturbs_no_one(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, _ = await arrivals_during_a_decode(tiny_model_dir)
+    monkeypatch.setattr(batch_module, "padded_prefill_default", lambda: True)
+    aborted, shapes = await arrivals_during_a_decode(tiny_model_dir, abort=2)
+    assert shapes.held.is_set()
+    assert 2 not in aborted
+    assert aborted == {i: plain[i] for i in (0, 1, 3)}
