@@ -1,8 +1,9 @@
 """Prefill chunks of recurring attention shapes (`prefill_shapes`, on by default on MLX's CUDA
-backend, switched on here): long prompts admitted to a busy batch are cut into chunks from the
-ladder of sizes, every chunk after a prompt's first attends over one buffer reserved for the whole
-prompt, and every request's tokens are those of the plain chunks; one of them aborted while a
-padded chunk runs leaves the others' tokens as they were and nothing held."""
+backend, switched on here): long prompts admitted to a busy batch are cut into whole blocks
+(rungs of the ladder where the budget cuts them), every chunk after a prompt's first attends over
+one buffer reserved for the whole prompt, and every request's tokens are those of the plain
+chunks; one of them aborted while a padded chunk runs leaves the others' tokens as they were and
+nothing held."""
 
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ async def test_long_prompts_prefill_in_recurring_shapes_with_the_same_tokens(
     padded, shapes = await arrivals_during_a_decode(tiny_model_dir)
     assert padded == plain and sorted(plain) == [0, 1, 2, 3]
     ladder = set(chunk_ladder(BLOCK, STEP))
-    assert shapes.passes and all(fed in ladder for fed, _ in shapes.passes), shapes.passes
+    assert shapes.passes and all(fed % BLOCK == 0 for fed, _ in shapes.passes), shapes.passes
+    assert any(fed in ladder for fed, _ in shapes.passes)
     widths = {keys for _, keys in shapes.passes if keys % 1024 == 0}
     assert widths, shapes.passes  # chunks after a prompt's first attend over the reserved buffer
     # Far fewer distinct attention shapes than the plain chunks take.
@@ -157,3 +159,39 @@ async def test_an_abort_during_a_padded_chunk_disturbs_no_one(
     assert shapes.held.is_set()
     assert 2 not in aborted
     assert aborted == {i: plain[i] for i in (0, 1, 3)}
+
+
+def test_a_rest_that_fits_goes_whole_and_a_cut_one_takes_a_rung(tiny_model_dir: Path) -> None:
+    """A lone prompt is not cut into more passes than before (a pass has a fixed cost on a GPU);
+    where the budget cuts the prompt, the chunk is a rung."""
+    from trio_mlx.engine.batch_sequence import BatchSequence
+    from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+    from trio_mlx.engine.loading import load_model
+    from trio_mlx.types import SamplingParams
+
+    loaded = load_model(tiny_model_dir)
+    recorder = ShapeRecorder(loaded.model)
+
+    def sequence(length: int) -> BatchSequence:
+        job = GenerationJob(1, tuple(range(5, 5 + length)), SamplingParams(max_tokens=2))
+        return BatchSequence(
+            job,
+            recorder,
+            vocab_size=len(loaded.tokenizer),
+            plan=PrefillPlan(STEP, BLOCK, BLOCK),
+            max_kv_size=None,
+            cache=None,
+            cached_tokens=0,
+            split_at_store_points=False,
+            padded=True,
+        )
+
+    whole = sequence(100)  # 99 to prefill: 96 in whole blocks, then 3 padded to a block
+    while not whole.ready:
+        whole.prefill_chunk(recorder, 4096)
+    assert recorder.passes == [(96, 96), (BLOCK, reserved_width(100, BLOCK))]
+    recorder.passes.clear()
+    cut = sequence(300)  # a budget of 40 tokens a chunk: rungs of 32
+    assert cut.prefill_chunk(recorder, 40)[0] == 32
+    assert cut.prefill_chunk(recorder, 40)[0] == 32
+    assert recorder.passes == [(32, 32), (32, reserved_width(300, BLOCK))]

@@ -112,9 +112,10 @@ class BatchSequence:
     def prefill_chunk(self, model: Any, limit: int) -> tuple[int, tuple[int, ...]]:
         """Run one chunk of at most `limit` prompt tokens (whole blocks, the last padded and cut
         back) on this sequence's own cache; return the tokens prefilled and the store points
-        reached. With `padded`, the chunk's size is a rung of `prefill_shapes.chunk_ladder` and,
-        from the second chunk on, its attention runs over the buffer reserved for the whole
-        prompt (`prefill_shapes`). Raises whatever the model raises."""
+        reached. With `padded`, a chunk that leaves some of the prompt is a rung of
+        `prefill_shapes.chunk_ladder` and, from the second chunk on, every chunk's attention runs
+        over the buffer reserved for the whole prompt (`prefill_shapes`). Raises whatever the
+        model raises."""
         assert self.cache is not None
         remaining = self.remaining_prompt()
         if remaining <= 0:
@@ -124,7 +125,7 @@ class BatchSequence:
         if self._split and self._store_points:
             n = min(n, self._store_points[0] - self.prompt_done)
         padded = self._padded and block > 1
-        if padded:
+        if padded and n < remaining:  # the budget cuts the prompt: a rung of the ladder
             n = pass_size(n, block, self._plan.step)
         elif block > 1 and n >= block:
             n -= n % block

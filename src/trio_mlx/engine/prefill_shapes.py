@@ -9,9 +9,10 @@ prompt) a 128-token chunk took 88 ms the first time its shapes were seen against
 had been, so the running streams' inter-token gap grew ~6x while the prompt was admitted.
 
 What: a sequence that prefills in chunks
-- cuts its chunks from a short ladder of sizes (`chunk_ladder`: the plan's block times 1, 2, 4,
-  ... up to the plan's step; `pass_size` takes the largest rung the budget allows, the last
-  chunk padded up to a block and cut back as before);
+- cuts a chunk that leaves some of the prompt from a short ladder of sizes (`chunk_ladder`: the
+  plan's block times 1, 2, 4, ... up to the plan's step; `pass_size` takes the largest rung the
+  budget allows); a rest that fits the budget goes whole, in whole blocks as before (a lone
+  prompt is not cut into more passes than it was: on the H200 a pass has a fixed cost);
 - from its second chunk on, runs them with the attention over a buffer reserved once for the
   whole prompt (`reserved_width`: its length rounded up to `WIDTH_BLOCK` positions) and a mask
   that hides what each query must not see (`padded_attention.padded_forward`), so every chunk
