@@ -1,7 +1,7 @@
 """Prefill chunks of recurring attention shapes (`prefill_shapes`, on by default on MLX's CUDA
 backend, switched on here): long prompts admitted to a busy batch are cut into whole blocks
 (rungs of the ladder where the budget cuts them), every chunk after a prompt's first attends over
-one buffer reserved for the whole prompt, and every request's tokens are those of the plain
+a buffer grown to a few widths, and every request's tokens are those of the plain
 chunks; one of them aborted while a padded chunk runs leaves the others' tokens as they were and
 nothing held."""
 
@@ -19,7 +19,7 @@ from model_wrappers import wrapping_loader
 from test_batching import assert_idle
 from trio_mlx.engine import batch as batch_module
 from trio_mlx.engine.padded_attention import _PaddedView
-from trio_mlx.engine.prefill_shapes import chunk_ladder, pass_size, reserved_width
+from trio_mlx.engine.prefill_shapes import chunk_ladder, key_width, pass_size
 
 BLOCK = 16
 STEP = 128
@@ -32,8 +32,15 @@ def test_the_ladder_and_the_pass_size() -> None:
     assert pass_size(128, 16, 128) == 128
     assert pass_size(40, 16, 128) == 32
     assert pass_size(9, 16, 128) == 9  # less than a block: padded to one
-    assert reserved_width(1000, 64) == 2048  # a block more, rounded up to 1,024
-    assert reserved_width(960, 64) == 1024
+    assert [key_width(n) for n in (1, 1024, 1025, 5000, 8192, 8193, 20000)] == [
+        1024,
+        1024,
+        2048,
+        8192,
+        8192,
+        16384,
+        24576,  # powers of two, then multiples of 8,192
+    ]
 
 
 class ShapeRecorder:
@@ -145,7 +152,7 @@ async def test_long_prompts_prefill_in_recurring_shapes_with_the_same_tokens(
     assert shapes.passes and all(fed % BLOCK == 0 for fed, _ in shapes.passes), shapes.passes
     assert any(fed in ladder for fed, _ in shapes.passes)
     widths = {keys for _, keys in shapes.passes if keys % 1024 == 0}
-    assert widths, shapes.passes  # chunks after a prompt's first attend over the reserved buffer
+    assert widths, shapes.passes  # chunks after a prompt's first attend over a width bucket
     # Far fewer distinct attention shapes than the plain chunks take.
     assert len(set(shapes.passes)) < len(set(plain_shapes.passes))
 
@@ -189,9 +196,9 @@ def test_a_rest_that_fits_goes_whole_and_a_cut_one_takes_a_rung(tiny_model_dir: 
     whole = sequence(100)  # 99 to prefill: 96 in whole blocks, then 3 padded to a block
     while not whole.ready:
         whole.prefill_chunk(recorder, 4096)
-    assert recorder.passes == [(96, 96), (BLOCK, reserved_width(100, BLOCK))]
+    assert recorder.passes == [(96, 96), (BLOCK, key_width(100))]
     recorder.passes.clear()
     cut = sequence(300)  # a budget of 40 tokens a chunk: rungs of 32
     assert cut.prefill_chunk(recorder, 40)[0] == 32
     assert cut.prefill_chunk(recorder, 40)[0] == 32
-    assert recorder.passes == [(32, 32), (32, reserved_width(300, BLOCK))]
+    assert recorder.passes == [(32, 32), (32, key_width(64))]

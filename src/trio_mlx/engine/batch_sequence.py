@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from trio_mlx.engine.decode import GenerationJob, LogitsProcessor, PrefillPlan
 from trio_mlx.engine.padded_attention import padded_forward
-from trio_mlx.engine.prefill_shapes import pass_size, reserve, reserved_width
+from trio_mlx.engine.prefill_shapes import PADDED_UP_TO, key_width, pass_size, reserve
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector
 
@@ -114,8 +114,8 @@ class BatchSequence:
         back) on this sequence's own cache; return the tokens prefilled and the store points
         reached. With `padded`, a chunk that leaves some of the prompt is a rung of
         `prefill_shapes.chunk_ladder` and, from the second chunk on, every chunk's attention runs
-        over the buffer reserved for the whole prompt (`prefill_shapes`). Raises whatever the
-        model raises."""
+        over its cache's buffer grown to a width bucket (`prefill_shapes.key_width`). Raises
+        whatever the model raises."""
         assert self.cache is not None
         remaining = self.remaining_prompt()
         if remaining <= 0:
@@ -133,7 +133,8 @@ class BatchSequence:
         padding = -n % block
         if padding:
             chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], padding)])
-        if padded and reserve(self.cache, reserved_width(len(self.job.prompt_tokens), block)):
+        keys = self.prompt_done + n + padding  # what the cache holds after this chunk
+        if padded and keys <= PADDED_UP_TO and reserve(self.cache, key_width(keys)):
             padded_forward(model, chunk[None], self.cache)
         else:
             model(chunk[None], cache=self.cache)

@@ -13,18 +13,22 @@ What: a sequence that prefills in chunks
   plan's block times 1, 2, 4, ... up to the plan's step; `pass_size` takes the largest rung the
   budget allows); a rest that fits the budget goes whole, in whole blocks as before (a lone
   prompt is not cut into more passes than it was: on the H200 a pass has a fixed cost);
-- from its second chunk on, runs them with the attention over a buffer reserved once for the
-  whole prompt (`reserved_width`: its length rounded up to `WIDTH_BLOCK` positions) and a mask
-  that hides what each query must not see (`padded_attention.padded_forward`), so every chunk
-  of a prompt has one key length, shared by every prompt of the same width bucket.
+- from its second chunk on, runs each with the attention over its cache's buffer grown to a
+  width bucket (`key_width`: the keys the chunk needs rounded up to a power of two from 1,024,
+  then to a multiple of 8,192) and a mask that hides what each query must not see
+  (`padded_attention.padded_forward`), so a prompt's chunks share a few key lengths, and every
+  prompt shares them.
 A prompt then costs cuDNN at most one graph per rung and width bucket the first time they are
-seen, and none after (the same bench: 18 ms a 128-token chunk the first time too). The first
-chunk runs on the fresh cache as before (its key length is its own size: a rung).
+seen, and none after (the same bench, where the whole 8,192-token prompt had one width: 18 ms a
+128-token chunk the first time too). The first chunk runs on the fresh cache as before (its key
+length is its own size). Past `PADDED_UP_TO` keys the chunks run plain: a graph's 50-150 ms is
+small beside a chunk's attention over that many keys, and a padded chunk would compute up to
+8,191 masked keys and hold a (tokens x width) mask.
 
-The attention over the reserved buffer computes the masked positions too: on the same bench a
-512-token chunk took 24.5 ms padded against 20.9 ms plain once warm; at 128 and 256 tokens the
-two are equal within noise. The buffer is what the cache would have grown to anyway (rounded up
-by less than `WIDTH_BLOCK` positions more).
+The attention over the bucket computes the masked positions too: on the same bench a 512-token
+chunk took 24.5 ms padded over the whole prompt's 8,192 positions against 20.9 ms plain once
+warm; at 128 and 256 tokens the two are equal within noise. The buffer is what the cache grows
+to anyway, rounded up to its bucket.
 
 Where: `padded_prefill_default()` (MLX's CUDA backend) and plans with blocks (`PrefillPlan.block
 > 1`: a cache that can be cut back after a padded chunk). Other caches (rotating, quantized,
@@ -40,9 +44,12 @@ from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine.padded_attention import padded_attention_default
 
-#: A prefilling sequence's cache is reserved to its prompt's length (plus a block) rounded up to
-#: this many positions: the key length of its chunks.
-WIDTH_BLOCK = 1024
+#: The smallest width bucket; buckets double up to `LINEAR_WIDTHS_FROM`, then grow by it.
+FIRST_WIDTH = 1024
+LINEAR_WIDTHS_FROM = 8192
+
+#: Chunks whose keys would pass this many positions run plain (see the module docstring).
+PADDED_UP_TO = 32768
 
 
 def padded_prefill_default() -> bool:
@@ -67,10 +74,12 @@ def pass_size(wanted: int, block: int, step: int) -> int:
     return max(size for size in chunk_ladder(block, step) if size <= wanted)
 
 
-def reserved_width(prompt_tokens: int, block: int) -> int:
-    """The key length of a prompt's chunks: its length plus a block (the last chunk's padding),
-    rounded up to `WIDTH_BLOCK`."""
-    return -(-(prompt_tokens + block) // WIDTH_BLOCK) * WIDTH_BLOCK
+def key_width(needed: int) -> int:
+    """The width bucket for a chunk after which the cache holds `needed` positions: a power of
+    two from `FIRST_WIDTH` up to `LINEAR_WIDTHS_FROM`, then a multiple of it."""
+    if needed <= LINEAR_WIDTHS_FROM:
+        return max(FIRST_WIDTH, 1 << (needed - 1).bit_length())
+    return -(-needed // LINEAR_WIDTHS_FROM) * LINEAR_WIDTHS_FROM
 
 
 def reserve(cache: list[Any], width: int) -> bool:
