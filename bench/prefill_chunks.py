@@ -18,7 +18,9 @@ evaluated and timed on its own:
   new (query, key) length pair, `engine/mlx_cuda.py`);
 - `padded`: the prompt's cache reserved up front to the prompt length rounded up to
   `--width-block` positions, and every chunk's attention over that whole buffer with a mask
-  (`padded_attention.padded_forward`): one (query, key) pair per chunk size and width.
+  (`padded_attention.padded_forward`): one (query, key) pair per chunk size and width;
+- `bucketed`: as the engine's batched route on CUDA runs them (`engine/prefill_shapes.py`): the
+  first chunk plain, then each chunk over the cache grown to its width bucket (`key_width`).
 
 The first pass over the prompt is `cold` (shapes new to this process, for that variant and
 size), the second `warm` (every shape seen once). Reported per (variant, c, pass): the chunk's
@@ -44,6 +46,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from trio_mlx.actors.batch_loop import BATCH_CACHE_LIMIT
 from trio_mlx.engine.padded_attention import padded_forward
+from trio_mlx.engine.prefill_shapes import key_width, reserve
 
 
 def timed(fn: Any) -> float:
@@ -81,12 +84,14 @@ def one_pass(
     model: Any, variant: str, prompt: Any, size: int, width: int, batch: list[Any], step_tokens: Any
 ) -> dict[str, Any]:
     cache = reserved_cache(model, width) if variant == "padded" else make_prompt_cache(model)
+    keys = 0
     chunks: list[float] = []
     steps: list[float] = []
     total = int(prompt.shape[0])
     for start in range(0, total, size):
         chunk = prompt[start : start + size][None]
-        if variant == "padded":
+        keys += int(chunk.shape[1])
+        if variant == "padded" or (variant == "bucketed" and reserve(cache, key_width(keys))):
             chunks.append(timed(lambda c=chunk: padded_forward(model, c, cache)[:, -1, :]))
         else:
             chunks.append(timed(lambda c=chunk: model(c, cache=cache)[:, -1, :]))
@@ -108,7 +113,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--model", default="synthetic:llama-1b-bf16")
     parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--chunks", default="128,256,512")
-    parser.add_argument("--variants", default="plain,padded")
+    parser.add_argument("--variants", default="plain,padded,bucketed")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--width-block", type=int, default=1024)
