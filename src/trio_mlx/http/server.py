@@ -180,7 +180,7 @@ def _bind(host: str, port: int) -> str:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    """`trio-mlx serve` arguments (see `cli.py`) as `ServerSettings`."""
+    """`trio-mlx serve` arguments (see `cli_options.py`) as `ServerSettings`."""
     engine_options: dict[str, object] = {
         **SERVER_PROCESS_SETTINGS,  # a server owns its process (EngineConfig says why)
         "admission": args.admission,
