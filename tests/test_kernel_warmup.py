@@ -40,3 +40,13 @@ def test_one_product_per_tile_and_kind_below_the_threshold() -> None:
     route_rows(model, 32)  # 32 rows and more take the dense product: no quantized kernel
     assert warm_quantized_kernels(model, force=True) == 2 * sum(r < 32 for r in TILE_ROWS)
     assert warm_quantized_kernels(nn.Linear(8, 8), force=True) == 0  # nothing quantized
+
+
+def test_a_product_mlx_refuses_is_skipped_not_fatal() -> None:
+    class Refused(nn.QuantizedLinear):  # type: ignore[misc]
+        def __call__(self, x: mx.array) -> mx.array:
+            raise ValueError("no kernel for this shape here")
+
+    model = quantized()
+    model.b.__class__ = Refused  # the 8-bit kind cannot run: the 4-bit one still warms up
+    assert warm_quantized_kernels(model, force=True) == len(TILE_ROWS)

@@ -43,7 +43,8 @@ def needed() -> bool:
 def warm_quantized_kernels(model: Any, *, force: bool = False) -> int:
     """Run `TILE_ROWS` products through one quantized layer per distinct kind in `model` (see the
     module docstring) where `needed()` or `force`; return how many products ran (0: none needed
-    or no quantized layer). Raises whatever MLX raises."""
+    or no quantized layer). A product MLX refuses is logged and skipped with the rest of its
+    kind: the requests that need it will say so themselves."""
     if not (force or needed()):
         return 0
     began = time.perf_counter()
@@ -63,7 +64,11 @@ def warm_quantized_kernels(model: Any, *, force: bool = False) -> int:
         for rows in TILE_ROWS:
             if limit is not None and rows >= limit:
                 continue
-            mx.eval(product(mx.zeros((rows, width), dtype=module["scales"].dtype)))
+            try:
+                mx.eval(product(mx.zeros((rows, width), dtype=module["scales"].dtype)))
+            except Exception as exc:  # a warm-up must not stop a model that may serve
+                log.warning("quantized kernels of %s not warmed up: %s", kind, exc)
+                break
             ran += 1
     if ran:
         log.info(
