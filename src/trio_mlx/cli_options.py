@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 
+from trio_mlx.config import MLLM_DRAFT_KINDS
 from trio_mlx.engine.cpu_path import CHOICES as CPU_WEIGHTS_CHOICES
 from trio_mlx.tools.registry import PARSER_CHOICES
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
@@ -276,6 +277,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load MODEL through mlx-vlm as a vision-language model "
         "(default: when its config has a vision tower mlx-vlm knows)",
+    )
+    parser.add_argument(
+        "--mllm-draft-model",
+        default=None,
+        metavar="PATH",
+        help="an mlx-vlm drafter (DFlash, EAGLE-3 or MTP checkpoint) that decodes a vision "
+        "model's requests with media through mlx-vlm's speculative loop (lossless for greedy "
+        "requests; no prefix cache for them; text-only requests never use it)",
+    )
+    parser.add_argument(
+        "--mllm-draft-kind",
+        default=None,
+        choices=MLLM_DRAFT_KINDS,
+        help="the drafter's round loop: dflash, eagle3 or mtp (default: what mlx-vlm resolves "
+        "from its config)",
+    )
+    parser.add_argument(
+        "--mllm-draft-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens the mlx-vlm drafter proposes a round (default: the drafter's own)",
     )
     parser.add_argument(
         "--allowed-local-media-path",

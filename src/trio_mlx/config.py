@@ -9,6 +9,10 @@ from trio_mlx.actors.admission import AdmissionMode
 from trio_mlx.engine.mlx_cuda import SDPA_GRAPH_CACHE
 from trio_mlx.multimodal.media import MediaPolicy
 
+#: The drafter kinds of mlx-vlm's speculative loop (`mllm_draft_kind`;
+#: `multimodal.drafted.DRAFT_KINDS`, kept apart so that the config imports no MLX code).
+MLLM_DRAFT_KINDS = ("dflash", "eagle3", "mtp")
+
 #: The process-wide settings a server process turns on (`EngineConfig` fields): a short GIL
 #: switch interval (measured on the tiny model: first-token delivery 1.8 ms -> 0.2 ms) and a
 #: large cuDNN attention-graph cache.
@@ -55,6 +59,16 @@ class EngineConfig:
       an abort or a cancel frees the runner within about that time on any backend.
     - `force_mllm`: load the model through mlx-vlm even if its config does not say it is a
       vision-language model (vllm-mlx's `force_mllm`; `--mllm`).
+    - `mllm_draft_model`: on a vision-language model, an mlx-vlm drafter (a DFlash, EAGLE-3 or
+      MTP checkpoint mlx-vlm loads, e.g. `qwen3_dflash` or `qwen3_5_mtp` for a Qwen3.5 target;
+      vllm-mlx's `mllm_draft_model`) that decodes its requests with media through mlx-vlm's
+      speculative loop (`multimodal.drafted`: lossless for greedy requests; no prefix cache for
+      them; requests asking for logprobs, penalties, logit bias, logits processors or a grammar
+      decode without it). Checked against the target at load (`ModelLoadError` when mlx-vlm
+      cannot pair them; so is a text model). Text-only requests never use it.
+      `mllm_draft_kind`: `"dflash"`, `"eagle3"` or `"mtp"`; None (the default) lets mlx-vlm
+      resolve it from the drafter's config (mlx-vlm also overrides a kind the drafter's model
+      type contradicts). `mllm_draft_block_size`: tokens drafted a round (None: the drafter's).
     - `media`: what requests with images or video may make the engine fetch and decode
       (`multimodal.media.MediaPolicy`: local files only under `allowed_local_dir`, private and
       loopback URLs only with `allow_private_urls`, size, time and redirect limits, the number
@@ -129,6 +143,9 @@ class EngineConfig:
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None
     force_mllm: bool = False
+    mllm_draft_model: str | Path | None = None
+    mllm_draft_kind: str | None = None
+    mllm_draft_block_size: int | None = None
     media: MediaPolicy = field(default_factory=MediaPolicy)
     draft_model: str | Path | None = None
     num_draft_tokens: int = 4
@@ -208,6 +225,14 @@ class EngineConfig:
                 "draft_model cannot be combined with max_kv_size: speculative decoding cuts the "
                 "KV cache back after refused drafts, which a rotating cache cannot do"
             )
+        if self.mllm_draft_kind is not None and self.mllm_draft_kind not in MLLM_DRAFT_KINDS:
+            raise ValueError(f"mllm_draft_kind must be one of {', '.join(MLLM_DRAFT_KINDS)}")
+        if self.mllm_draft_block_size is not None and self.mllm_draft_block_size < 1:
+            raise ValueError("mllm_draft_block_size must be >= 1")
+        if self.mllm_draft_model is None and (
+            self.mllm_draft_kind is not None or self.mllm_draft_block_size is not None
+        ):
+            raise ValueError("mllm_draft_kind and mllm_draft_block_size need mllm_draft_model")
         if self.specprefill_threshold < 1:
             raise ValueError("specprefill_threshold must be >= 1")
         if not 0.0 < self.specprefill_keep_pct <= 1.0:

@@ -102,6 +102,7 @@ def engine_stats(
             "kv_bytes": counters.kv_bytes,
             "media_sequences": counters.media,
             "media_steps": counters.media_steps,
+            "media_drafted": counters.media_drafted,
             "slowest_recent_step": counters.slowest_recent_step(),
             "steps": counters.steps,
             "prefill_chunks": counters.prefill_chunks,

@@ -19,7 +19,11 @@ pacer's budget (the one the batch's own prefill gets, so decoding rows are not s
 than by a batch prefill chunk), then one decode token a step. Nothing waits in a queue: media
 requests and batched text requests advance together, step for step; admission
 (`max_num_seqs`) counts them all. An abort takes the sequence out at the next step boundary
-and never touches the batch (its cache is its own).
+and never touches the batch (its cache is its own). With an mlx-vlm drafter
+(`EngineConfig.mllm_draft_model`), a request with media may instead be a
+`multimodal.drafted.DraftedMultimodalSequence`, stepped here the same way: its first step is
+mlx-vlm's vision encoding, whole prefill and first token, then a token a step; its cache is
+mlx-vlm's and is never snapshotted.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.runner_protocol import SequenceEvent
-from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
+from trio_mlx.multimodal.drafted import MediaSequence
+from trio_mlx.multimodal.job import MultimodalJob
 
 if TYPE_CHECKING:
     from trio_mlx.actors.runner import Runner
@@ -47,7 +52,7 @@ class MediaLane:
     def __init__(self, runner: Runner, loaded: LoadedModel) -> None:
         self._runner = runner
         self._loaded = loaded
-        self._live: dict[int, MultimodalSequence] = {}
+        self._live: dict[int, MediaSequence] = {}
 
     def __len__(self) -> int:
         return len(self._live)
@@ -66,7 +71,7 @@ class MediaLane:
         if seq is None:
             return False
         self._runner.counters.media = len(self._live)
-        if store and seq.prefill_done:
+        if store and seq.prefill_done and getattr(seq, "snapshot_safe", True):
             self._runner._snapshots.store(seq, "conversation")
         return True
 
@@ -105,7 +110,8 @@ class MediaLane:
                 stores.append((seq, "prompt" if point == last else "system", point))
             if result.finish is not None:
                 del self._live[request_id]
-                stores.append((seq, "conversation", None))
+                if getattr(seq, "snapshot_safe", True):
+                    stores.append((seq, "conversation", None))
             if result.tokens or result.finish is not None:
                 events.append(
                     SequenceEvent(

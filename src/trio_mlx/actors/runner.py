@@ -25,7 +25,8 @@ Two routes, chosen once the model is loaded:
 - serialized (`max_num_seqs == 1`, or a model whose cache cannot be batched):
   `serial_loop.serve_serialized`: a step is one prefill chunk or one decode token of each live
   sequence (`decode.ActiveSequence`), or the vision encoding of a request with media
-  (`multimodal.job.MultimodalSequence`, whose first step it is);
+  (`multimodal.job.MultimodalSequence`, whose first step it is; with an mlx-vlm drafter,
+  `multimodal.drafted.DraftedMultimodalSequence`: mlx-vlm's speculative loop, a token a step);
 - batched (`max_num_seqs > 1`): `batch_loop.serve_batched`, one decode step over every running
   sequence plus a prefill chunk of those waiting to join (continuous batching). On a
   vision-language model its text-only requests batch like a text model's; its requests with
@@ -95,6 +96,7 @@ from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.engine.specprefill import SpecPrefillCounters, SpecPrefillSettings
 from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator
 from trio_mlx.errors import EngineCrashed
+from trio_mlx.multimodal.drafted import DraftedMultimodalSequence, MediaDrafter, MediaSequence
 from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
 from trio_mlx.multimodal.vision import VisionFeatureCache
 from trio_mlx.types import FinishReason
@@ -128,6 +130,9 @@ class Runner:
         mtp_num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         specprefill_model: str | Path | None = None,
         specprefill: SpecPrefillSettings | None = None,
+        mllm_draft_model: str | Path | None = None,
+        mllm_draft_kind: str | None = None,
+        mllm_draft_block_size: int | None = None,
     ) -> None:
         self._options = StartOptions(
             model=model,
@@ -145,6 +150,9 @@ class Runner:
             mtp=mtp,
             num_draft_tokens=mtp_num_draft_tokens if mtp else num_draft_tokens,
             specprefill_model=specprefill_model,
+            mllm_draft_model=mllm_draft_model,
+            mllm_draft_kind=mllm_draft_kind,
+            mllm_draft_block_size=mllm_draft_block_size,
         )
         #: speculative decoding (`engine/speculative.py`: a draft model, or the MTP head)
         self.speculator: Speculator | None = None
@@ -152,6 +160,8 @@ class Runner:
         #: the model SpecPrefill scores with (loaded when `specprefill_model` is given)
         self.scorer: Any = None
         self.specprefill_counters = SpecPrefillCounters()
+        #: the mlx-vlm drafter of requests with media (`multimodal.drafted`), None without one
+        self.media_drafter: MediaDrafter | None = None
         self.max_num_seqs = max_num_seqs
         self.pacer = PrefillPacer(prefill_step_size, target_seconds=prefill_chunk_seconds)
         #: KV cache bytes per token of one sequence (measured once the model is loaded)
@@ -336,6 +346,7 @@ class Runner:
 
         models = load_models(self._options)
         self.scorer = models.scorer
+        self.media_drafter = models.media_drafter
         self._loaded.set()
         if self._stop.is_set():  # cancelled while loading: nobody waits for this model
             return
@@ -377,11 +388,26 @@ class Runner:
 
     def _multimodal_sequence(
         self, job: MultimodalJob, loaded: LoadedModel, vocab_size: int
-    ) -> MultimodalSequence:
-        """A request with media on a vision-language model, from the longest cached prefix
-        with the same tokens and the same media (its cache key)."""
+    ) -> MediaSequence:
+        """A request with media on a vision-language model: with an mlx-vlm drafter and
+        sampling its loop honours, mlx-vlm's drafted decode (`multimodal.drafted`, no prefix
+        cache); else from the longest cached prefix with the same tokens and the same media
+        (its cache key)."""
         if loaded.multimodal is None:
             raise ValueError("this model takes text only")
+        drafter = self.media_drafter
+        if drafter is not None:
+            declined = drafter.declines(job)
+            if declined is None:
+                self.counters.media_drafted += 1
+                return DraftedMultimodalSequence(
+                    job,
+                    loaded.multimodal,
+                    drafter,
+                    loaded.eos_token_ids,
+                    prefill_step_size=self._prefill_plan.step,
+                )
+            log.debug("request %d decodes without the drafter: %s", job.request_id, declined)
         cache, cached_tokens = self._snapshots.restore_for(job.keyed())
         return MultimodalSequence(
             job,

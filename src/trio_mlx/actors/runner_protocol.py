@@ -110,6 +110,9 @@ class RunnerCounters:
     #: vision-language model: `media_lane`)
     media: int = 0
     media_steps: int = 0
+    #: requests with media started on mlx-vlm's drafted route (`multimodal.drafted`; either
+    #: route, with `EngineConfig.mllm_draft_model`)
+    media_drafted: int = 0
     #: the batched route's last `RECENT_STEPS` steps: (seconds, of them decode, of them prefill,
     #: steps since the last join or None), for `slowest_recent_step`
     recent_steps: deque[tuple[float, float, float, int | None]] = dataclasses.field(

@@ -5,8 +5,10 @@ between them (a load cannot be interrupted; what follows it is skipped when the 
 meanwhile: see `Runner._run_thread`):
 1. `load_models`: the target model (with its MTP head for native MTP), the draft model or the
    MTP drafter, and SpecPrefill's scoring model (the draft's own when both name the same
-   model), each checked against the target (`speculative.check_draft`). Raises the load's error
-   (`ModelLoadError`), which `Runner.run` raises before `started`.
+   model), each checked against the target (`speculative.check_draft`); on a vision-language
+   model, the mlx-vlm drafter of its requests with media (`multimodal.drafted`, checked by
+   mlx-vlm and one short drafted generation). Raises the load's error (`ModelLoadError`),
+   which `Runner.run` raises before `started`.
 2. `prepare_serving`: the fast decode step (`fast_decode.prepare_fast_decode`: fused projections,
    quantized layers dequantizing for many rows, the traced step; none with a drafter, whose
    steps verify several tokens), the same routing for the scoring model, the `ModelInfo`,
@@ -36,6 +38,8 @@ from trio_mlx.engine.mtp import MtpDrafter
 from trio_mlx.engine.quantized_rows import apply_threshold
 from trio_mlx.engine.scheduling import PrefillPacer
 from trio_mlx.engine.speculative import Speculator, check_draft
+from trio_mlx.errors import ModelLoadError
+from trio_mlx.multimodal.drafted import load_media_drafter
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,11 @@ class StartOptions:
     #: tokens drafted a step (the MTP head's when `mtp`, else the draft model's)
     num_draft_tokens: int
     specprefill_model: str | Path | None
+    #: an mlx-vlm drafter for the requests with media (`multimodal.drafted`), its kind (None:
+    #: mlx-vlm's resolution) and block size (None: the drafter's)
+    mllm_draft_model: str | Path | None = None
+    mllm_draft_kind: str | None = None
+    mllm_draft_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.mtp and self.draft_model is not None:
@@ -79,6 +88,8 @@ class LoadedModels:
     draft: Any
     #: the model SpecPrefill scores with, or None
     scorer: Any
+    #: the mlx-vlm drafter of requests with media (`multimodal.drafted.MediaDrafter`), or None
+    media_drafter: Any = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +131,20 @@ def load_models(options: StartOptions) -> LoadedModels:
             scoring = loader(options.specprefill_model)
             check_draft(loaded, scoring, options.max_kv_size)
             scorer = scoring.model
-    return LoadedModels(loaded, draft, scorer)
+    media_drafter: Any = None
+    if options.mllm_draft_model is not None:
+        if loaded.multimodal is None:
+            raise ModelLoadError(
+                f"{loaded.path}: an mllm draft model needs a vision-language model "
+                "(one loaded through mlx-vlm)"
+            )
+        media_drafter = load_media_drafter(
+            loaded.multimodal,
+            options.mllm_draft_model,
+            options.mllm_draft_kind,
+            options.mllm_draft_block_size,
+        )
+    return LoadedModels(loaded, draft, scorer, media_drafter)
 
 
 def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup:

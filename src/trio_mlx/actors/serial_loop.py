@@ -5,7 +5,8 @@ The loop, top to bottom, once per step while anything is live:
 1. apply the commands queued since the last step (`_take_commands`): a new job becomes a live
    sequence (an `ActiveSequence` from its restored prefix; a `SpeculativeSequence` with a draft,
    unless a logits processor or a grammar cannot be rewound; a `MultimodalSequence` for a job
-   with media, whose first step is its vision encoding; a `SpecPrefillSequence` for a long prompt
+   with media, whose first step is its vision encoding, or a `DraftedMultimodalSequence` for
+   one that an mlx-vlm drafter decodes; a `SpecPrefillSequence` for a long prompt
    when a scoring model is loaded, from no cached prefix and storing nothing); an abort takes its
    sequence out and, when asked to and its prefill completed, snapshots what its cache holds;
    `ClearSnapshots` is answered at once;
@@ -35,6 +36,7 @@ from trio_mlx.engine.decode import ActiveSequence
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.engine.specprefill import SpecPrefillSequence
 from trio_mlx.engine.speculative_sequence import SpeculativeSequence
+from trio_mlx.multimodal.drafted import DraftedMultimodalSequence
 from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
 from trio_mlx.types import FinishReason
 
@@ -45,7 +47,13 @@ log = logging.getLogger(__name__)
 
 #: What the serialized route steps: a text sequence, one with a draft, one with media, or a long
 #: prompt's sparse prefill.
-LiveSequence = ActiveSequence | SpeculativeSequence | MultimodalSequence | SpecPrefillSequence
+LiveSequence = (
+    ActiveSequence
+    | SpeculativeSequence
+    | MultimodalSequence
+    | DraftedMultimodalSequence
+    | SpecPrefillSequence
+)
 
 
 def serve_serialized(runner: Runner, loaded: LoadedModel) -> None:

@@ -83,6 +83,9 @@ async def _serve(
             keep_pct=cfg.specprefill_keep_pct,
             backbone_pct=cfg.specprefill_backbone_pct,
         ),
+        mllm_draft_model=cfg.mllm_draft_model,
+        mllm_draft_kind=cfg.mllm_draft_kind,
+        mllm_draft_block_size=cfg.mllm_draft_block_size,
     )
     book = AdmissionBook(slots=max_num_seqs, mode=cfg.admission_mode, max_waiting=cfg.max_waiting)
     admission = AdmissionController(book, max_wait=cfg.max_wait)

@@ -200,6 +200,13 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     }
     engine_options["force_mllm"] = bool(getattr(args, "mllm", False))
     engine_options["media"] = media_policy_from_args(args)
+    mllm_draft = getattr(args, "mllm_draft_model", None)
+    if mllm_draft:
+        engine_options["mllm_draft_model"] = (
+            Path(mllm_draft) if Path(mllm_draft).exists() else mllm_draft
+        )
+        engine_options["mllm_draft_kind"] = getattr(args, "mllm_draft_kind", None)
+        engine_options["mllm_draft_block_size"] = getattr(args, "mllm_draft_block_size", None)
     draft = getattr(args, "draft_model", None)
     if draft:
         engine_options["draft_model"] = Path(draft) if Path(draft).exists() else draft
@@ -258,9 +265,10 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     check_listen(settings.host, settings.port)
     check_model(settings.model)
-    draft = settings.engine_options.get("draft_model")
-    if isinstance(draft, str | Path):
-        check_model(draft)
+    for key in ("draft_model", "mllm_draft_model"):
+        draft = settings.engine_options.get(key)
+        if isinstance(draft, str | Path):
+            check_model(draft)
     return trio.run(_serve_until_signalled, settings)
 
 

@@ -63,7 +63,9 @@ class PromptEmbeddingModel:
         return make_prompt_cache(self._lm)
 
     def __call__(self, tokens: Any, cache: Any = None) -> Any:
-        offset = int(cache[0].offset) if cache else 0
+        # The first layer with a position: a hybrid model's recurrent layers (ArraysCache,
+        # Qwen3.5's linear attention) have none.
+        offset = next((int(c.offset) for c in cache or () if hasattr(c, "offset")), 0)
         n = int(tokens.shape[1])
         prompt = self._prompt
         if offset < self._length:

@@ -115,7 +115,10 @@ def _compute_features(model: Any, pixels: Any, extras: dict[str, Any]) -> Any:
         grid = extras.get("video_grid_thw")
     if tower is not None and grid is not None:
         dtype = tower.patch_embed.proj.weight.dtype
-        return tower(pixels.astype(dtype), grid, output_hidden_states=False)
+        features = tower(pixels.astype(dtype), grid, output_hidden_states=False)
+        # Qwen3-VL / Qwen3.5 towers return (features, deepstack features); their
+        # `get_input_embeddings(cached_image_features=)` takes the features alone.
+        return features[0] if isinstance(features, tuple) else features
     return None
 
 
