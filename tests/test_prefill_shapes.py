@@ -17,7 +17,7 @@ import trio
 import trio_mlx
 from model_wrappers import wrapping_loader
 from test_batching import assert_idle
-from trio_mlx.engine import batch as batch_module
+from trio_mlx.actors import batch_loop
 from trio_mlx.engine.padded_attention import _PaddedView
 from trio_mlx.engine.prefill_shapes import chunk_ladder, key_width, pass_size
 
@@ -118,6 +118,8 @@ async def arrivals_during_a_decode(
             async for out in engine.stream_generate(
                 "Once upon a time", max_tokens=120, temperature=0.0
             ):
+                if not started.is_set():  # what ran before (the padded chunk's check at the
+                    made[0].passes.clear()  # batch's start, this prompt) is not the arrivals'
                 started.set()
                 outputs.setdefault(0, []).extend(out.new_tokens)
 
@@ -145,7 +147,7 @@ async def test_long_prompts_prefill_in_recurring_shapes_with_the_same_tokens(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain, plain_shapes = await arrivals_during_a_decode(tiny_model_dir)
-    monkeypatch.setattr(batch_module, "padded_prefill_default", lambda: True)
+    monkeypatch.setattr(batch_loop, "padded_prefill_default", lambda: True)
     padded, shapes = await arrivals_during_a_decode(tiny_model_dir)
     assert padded == plain and sorted(plain) == [0, 1, 2, 3]
     ladder = set(chunk_ladder(BLOCK, STEP))
@@ -161,7 +163,7 @@ async def test_an_abort_during_a_padded_chunk_disturbs_no_one(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain, _ = await arrivals_during_a_decode(tiny_model_dir)
-    monkeypatch.setattr(batch_module, "padded_prefill_default", lambda: True)
+    monkeypatch.setattr(batch_loop, "padded_prefill_default", lambda: True)
     aborted, shapes = await arrivals_during_a_decode(tiny_model_dir, abort=2)
     assert shapes.held.is_set()
     assert 2 not in aborted
@@ -202,3 +204,29 @@ def test_a_rest_that_fits_goes_whole_and_a_cut_one_takes_a_rung(tiny_model_dir: 
     assert cut.prefill_chunk(recorder, 40)[0] == 32
     assert cut.prefill_chunk(recorder, 40)[0] == 32
     assert recorder.passes == [(32, 32), (32, key_width(64))]
+
+
+class IgnoresCacheMasks:
+    """The tiny model as one that builds its attention mask itself: every layer's cache is
+    asked for no mask, so a padded chunk would attend to the bucket's padding."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __call__(self, tokens: Any, cache: Any = None) -> Any:
+        if cache and isinstance(cache[0], _PaddedView):
+            for view in cache:
+                view._mask = None  # attends over the whole bucket, unmasked
+        return self._inner(tokens, cache=cache)
+
+
+def test_the_padded_chunk_is_checked_against_the_plain_one(tiny_model_dir: Path) -> None:
+    from trio_mlx.engine.loading import load_model
+    from trio_mlx.engine.prefill_shapes import padded_prefill_agrees
+
+    model = load_model(tiny_model_dir).model
+    assert padded_prefill_agrees(model, BLOCK)
+    assert not padded_prefill_agrees(IgnoresCacheMasks(model), BLOCK)

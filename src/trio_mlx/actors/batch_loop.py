@@ -35,6 +35,7 @@ from trio_mlx.engine.batch import BatchDecoder
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.fast_decode import compiled_batch_enabled
 from trio_mlx.engine.loading import LoadedModel
+from trio_mlx.engine.prefill_shapes import padded_prefill_agrees, padded_prefill_default
 from trio_mlx.multimodal.job import MultimodalJob
 from trio_mlx.types import FinishReason
 
@@ -71,6 +72,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         max_kv_size=runner._max_kv_size,
         split_at_store_points=not (support is not None and support.trimmable),
         compiled=runner.compiled if compiled_batch_enabled() else None,
+        padded_prefill=_padded_prefill(loaded.model, plan.block),
     )
     lane = MediaLane(runner, loaded)
     counters = runner.counters
@@ -163,6 +165,21 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         counters.busy_seconds += seconds
         counters.note_step(seconds, decode_seconds, prefill_seconds, since_join)
         since_join = 1 if joined else None if since_join is None else since_join + 1
+
+
+def _padded_prefill(model: Any, block: int) -> bool:
+    """Prefill chunks of recurring shapes (`prefill_shapes`): where it pays (CUDA), with blocks,
+    and where this model's padded chunk gives the plain chunk's logits (checked here, once)."""
+    if not padded_prefill_default() or block <= 1:
+        return False
+    try:
+        agrees = padded_prefill_agrees(model, block)
+    except Exception as exc:  # the check cannot run: plain chunks serve
+        log.warning("prefill chunks stay plain: the padded chunk's check failed (%s)", exc)
+        return False
+    if not agrees:
+        log.warning("prefill chunks stay plain: this model's padded chunk differs from the plain")
+    return agrees
 
 
 def _apply(runner: Runner, batch: BatchDecoder, lane: MediaLane) -> list[SequenceEvent]:

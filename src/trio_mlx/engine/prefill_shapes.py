@@ -31,8 +31,11 @@ warm; at 128 and 256 tokens the two are equal within noise. The buffer is what t
 to anyway, rounded up to its bucket.
 
 Where: `padded_prefill_default()` (MLX's CUDA backend) and plans with blocks (`PrefillPlan.block
-> 1`: a cache that can be cut back after a padded chunk). Other caches (rotating, quantized,
-recurrent layers) run the plain pass (`padded_forward` leaves them be).
+> 1`: a cache that can be cut back after a padded chunk), on a model whose padded chunk gives the
+plain chunk's logits (`padded_prefill_agrees`, checked once when the batch starts: a model that
+builds its attention mask itself, not through its cache's `make_mask`, would attend to the
+bucket's padding). Other caches (rotating, quantized, recurrent layers) run the plain pass
+(`padded_forward` leaves them be).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ LINEAR_WIDTHS_FROM = 8192
 
 #: Chunks whose keys would pass this many positions run plain (see the module docstring).
 PADDED_UP_TO = 32768
+
+#: `padded_prefill_agrees`: the largest difference of the last logits, relative to their largest
+#: magnitude, that counts as rounding (bf16 attention over the bucket sums in another order).
+AGREEMENT = 0.02
 
 
 def padded_prefill_default() -> bool:
@@ -100,3 +107,26 @@ def reserve(cache: list[Any], width: int) -> bool:
             [layer.values, mx.zeros((b, h, grow, dv), layer.values.dtype)], 2
         )
     return True
+
+
+def padded_prefill_agrees(model: Any, block: int) -> bool:
+    """Whether `model`'s padded chunk gives the plain chunk's logits: two chunks of `block`
+    tokens prefilled plain, then again with the second over a width bucket. A model that builds
+    its attention mask itself instead of asking its cache (`make_mask`) would attend to the
+    bucket's padding: the engine then keeps its chunks plain. True where nothing would be padded
+    (a cache other than plain `KVCache` layers). Runner thread; raises what the model raises."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from trio_mlx.engine.padded_attention import padded_forward
+
+    tokens = (mx.arange(2 * block, dtype=mx.uint32) % 100 + 10)[None]
+    first, second = tokens[:, :block], tokens[:, block:]
+    plain_cache, padded_cache = make_prompt_cache(model), make_prompt_cache(model)
+    model(first, cache=plain_cache)
+    model(first, cache=padded_cache)
+    if not reserve(padded_cache, key_width(2 * block)):
+        return True
+    plain = model(second, cache=plain_cache)[:, -1, :].astype(mx.float32)
+    padded = padded_forward(model, second, padded_cache)[:, -1, :].astype(mx.float32)
+    difference = mx.max(mx.abs(plain - padded)) / mx.maximum(mx.max(mx.abs(plain)), 1e-6)
+    return bool((difference <= AGREEMENT).item())
