@@ -111,8 +111,6 @@ async def arrivals_during_a_decode(
         outputs: dict[int, list[int]] = {}
         started = trio.Event()
         scopes = {i: trio.CancelScope() for i in (1, 2, 3)}
-        if abort is not None:
-            made[0].hold.clear()
 
         async def running() -> None:
             async for out in engine.stream_generate(
@@ -134,6 +132,8 @@ async def arrivals_during_a_decode(
             for i, words in ((1, 150), (2, 333), (3, 90)):
                 nursery.start_soon(arriving, i, words)
             if abort is not None:
+                await started.wait()  # the batch's start (and its padded chunk's check) is past
+                made[0].hold.clear()
                 await trio.to_thread.run_sync(made[0].held.wait, 30.0)
                 scopes[abort].cancel()
                 await trio.sleep(0.05)  # the abort reaches the runner's inbox
