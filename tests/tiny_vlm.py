@@ -156,10 +156,19 @@ def _write_tokenizer(out_dir: Path) -> None:
     (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
 
 
-def _write_image_processor(out_dir: Path, max_pixels: int = MAX_PIXELS) -> None:
+def _write_image_processor(
+    out_dir: Path,
+    max_pixels: int = MAX_PIXELS,
+    *,
+    min_pixels: int = MIN_PIXELS,
+    patch_size: int = 14,
+    processor_class: str = "Qwen2VLProcessor",
+) -> None:
+    """Qwen2-VL's image processor settings (mlx-vlm's numpy one), sized for tiny images; the
+    keywords let a Qwen3-class recipe (`tiny_vlm_drafter.py`) use it too."""
     settings = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
+        "processor_class": processor_class,
         "do_resize": True,
         "do_rescale": True,
         "do_normalize": True,
@@ -167,10 +176,10 @@ def _write_image_processor(out_dir: Path, max_pixels: int = MAX_PIXELS) -> None:
         "rescale_factor": 1 / 255,
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
-        "min_pixels": MIN_PIXELS,
+        "min_pixels": min_pixels,
         "max_pixels": max_pixels,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels},
-        "patch_size": 14,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
     }

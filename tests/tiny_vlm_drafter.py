@@ -80,24 +80,13 @@ def build_tiny_qwen3_5(out_dir: Path, *, seed: int = 0) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tiny_vlm._write_tokenizer(out_dir)
-    processor = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "rescale_factor": 1 / 255,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-    }
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    tiny_vlm._write_image_processor(
+        out_dir,
+        MAX_PIXELS,
+        min_pixels=MIN_PIXELS,
+        patch_size=16,
+        processor_class="Qwen3VLProcessor",
+    )
     config = {
         "model_type": "qwen3_5",
         "architectures": ["Qwen3_5ForConditionalGeneration"],

@@ -71,7 +71,7 @@ class MediaLane:
         if seq is None:
             return False
         self._runner.counters.media = len(self._live)
-        if store and seq.prefill_done and getattr(seq, "snapshot_safe", True):
+        if store and seq.prefill_done:
             self._runner._snapshots.store(seq, "conversation")
         return True
 
@@ -110,8 +110,7 @@ class MediaLane:
                 stores.append((seq, "prompt" if point == last else "system", point))
             if result.finish is not None:
                 del self._live[request_id]
-                if getattr(seq, "snapshot_safe", True):
-                    stores.append((seq, "conversation", None))
+                stores.append((seq, "conversation", None))
             if result.tokens or result.finish is not None:
                 events.append(
                     SequenceEvent(

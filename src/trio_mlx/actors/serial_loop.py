@@ -101,8 +101,7 @@ def serve_serialized(runner: Runner, loaded: LoadedModel) -> None:
                 stores.append((seq, "prompt" if point == last else "system", point))
             if result.finish is not None:
                 del live[request_id]
-                if getattr(seq, "snapshot_safe", True):
-                    stores.append((seq, "conversation", None))
+                stores.append((seq, "conversation", None))
             if result.tokens or result.finish is not None:
                 finish: FinishReason | None = result.finish  # type: ignore[assignment]
                 events.append(
@@ -139,7 +138,7 @@ def _take_commands(
             seq = live.pop(command.request_id, None)
             if seq is not None:
                 runner.counters.aborted += 1
-                if command.store and seq.prefill_done and getattr(seq, "snapshot_safe", True):
+                if command.store and seq.prefill_done:
                     runner._snapshots.store(seq, "conversation")
             continue
         if isinstance(command, ClearSnapshots):

@@ -99,7 +99,11 @@ class SnapshotKeeper:
 
     def store(self, seq: SnapshotSource, kind: CacheKind, length: int | None = None) -> None:
         """Snapshot what `seq`'s cache holds now, or its first `length` tokens, and enter it in
-        the book (at a step boundary)."""
+        the book (at a step boundary). A sequence whose cache is not exactly its tokens' (its
+        `snapshot_safe` False: a SpecPrefill sparse prefill, a drafted media request's cache held
+        by mlx-vlm) is never stored."""
+        if not getattr(seq, "snapshot_safe", True):
+            return
         manager = self._book()
         if manager is None:
             return
