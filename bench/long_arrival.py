@@ -45,6 +45,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
+def step_trace(
+    baseline: list[tuple[float, float, float, int | None]],
+    during: list[tuple[float, float, float, int | None]],
+) -> dict[str, Any]:
+    """The runner's steps (`RunnerCounters.recent_steps`) while the long prompt was admitted:
+    how many took over 3x the baseline's median step, and the slowest ones (ms: the step, its
+    decode, its prefill, steps since the last join)."""
+    median = statistics.median(s[0] for s in baseline) if baseline else float("nan")
+    slowest = sorted(during, reverse=True)[:6]
+    return {
+        "baseline_step_p50_ms": 1e3 * median,
+        "steps_during": len(during),
+        "steps_over_3x": sum(s[0] > 3 * median for s in during),
+        "slowest_steps_ms": [
+            [round(1e3 * s[0], 1), round(1e3 * s[1], 1), round(1e3 * s[2], 1), s[3]]
+            for s in slowest
+        ],
+    }
+
+
 async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     import trio_mlx
     from trio_mlx.config import SERVER_PROCESS_SETTINGS
@@ -82,9 +102,14 @@ async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -
                 await steady.wait()
                 baseline_from = time.perf_counter()
                 await trio.sleep(args.baseline_s)
+                counters = engine._runner.counters
+                base_steps = list(counters.recent_steps)
                 arrived = time.perf_counter()
+                steps_before = counters.steps
                 out = await engine.generate(long_prompt, max_tokens=1, temperature=0)
                 first = time.perf_counter()
+                recent = list(counters.recent_steps)
+                during_steps = recent[-(counters.steps - steps_before) :]
                 await trio.sleep(args.after_s)
                 ended = time.perf_counter()
                 nursery.cancel_scope.cancel()
@@ -110,6 +135,7 @@ async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -
                     "gaps_during": len(during),
                     "prefill_chunks": engine.get_stats()["runner"].get("prefill_chunks"),
                     "slowest_recent_step": engine.get_stats()["runner"]["slowest_recent_step"],
+                    **step_trace(base_steps, during_steps),
                 }
     if not result:
         raise SystemExit(f"deadline of {args.deadline_s} s passed before the long prompt ended")

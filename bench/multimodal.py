@@ -11,7 +11,9 @@ MLX 0.32.4 in both systems; bf16) with SmolLM2's tokenizer plus the vision token
 49,156 rather than 151,936: the output layer is smaller than the real model's; say so with any
 figure). Cases: one 448x448 image; a 16-frame 448x448 video at 2 frames a second (both systems
 sample 2 a second). EOS is ignored (`max_tokens` tokens each). `--systems` picks the sides and
-their order. Prints a JSON object per (case, system, repeat) and a summary table (medians).
+their order: `mlx-vlm`, `engine`, and `engine-mrope` (the engine with the fused rope for text
+positions off: mlx-vlm's MRoPE at every position, `multimodal.text_rope`). Prints a JSON object per
+(case, system, repeat) and a summary table (medians).
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_pixels": 448 * 448,
         "bf16": True,
     },
+}
+
+
+NAMES = {
+    "mlx-vlm": "mlx-vlm stream_generate",
+    "engine": "trio-mlx engine",
+    "engine-mrope": "trio-mlx engine, MRoPE at text positions",
 }
 
 
@@ -189,6 +198,7 @@ def main() -> None:
     import trio
 
     import trio_mlx
+    from trio_mlx.engine.loading import load_model
     from trio_mlx.multimodal.media import MediaPolicy
 
     rows: list[dict[str, Any]] = []
@@ -198,23 +208,32 @@ def main() -> None:
         size = args.size if args.shape != "tiny" else 56
         picture, video = media(tmp, size, args.frames)
 
-        async def engine_side(case: str, repeat: int) -> None:
+        loaded = load_model(model_dir) if {"engine", "engine-mrope"} & set(systems) else None
+
+        async def engine_side(case: str, repeat: int, system: str) -> None:
             policy = MediaPolicy(video_max_frames=args.frames, video_fps=2.0)
-            async with trio_mlx.open_engine(model_dir, media=policy) as engine:
+            assert loaded is not None
+            switch = loaded.multimodal.text_rope
+            if switch is not None:
+                switch.enabled = system == "engine"
+            async with trio_mlx.open_engine(
+                model_dir, media=policy, loader=lambda _spec: loaded
+            ) as engine:
                 for _ in range(2):  # warm: shapes, kernels
                     await run_engine(engine, picture, video if case == "video" else None, 4)
                 result = await run_engine(
                     engine, picture, video if case == "video" else None, args.max_tokens
                 )
-            rows.append({"case": case, "system": "trio-mlx engine", "repeat": repeat, **result})
+            name = NAMES[system]
+            rows.append({"case": case, "system": name, "repeat": repeat, **result})
             print(json.dumps(rows[-1]), flush=True)
 
         for repeat in range(args.repeats):
             for case in ("image", "video"):
                 clip = video if case == "video" else None
                 for system in systems:
-                    if system == "engine":
-                        trio.run(engine_side, case, repeat)
+                    if system in ("engine", "engine-mrope"):
+                        trio.run(engine_side, case, repeat, system)
                         continue
                     run_mlx_vlm(model_dir, picture, clip, 4)  # warm
                     result = run_mlx_vlm(model_dir, picture, clip, args.max_tokens)
@@ -225,7 +244,7 @@ def main() -> None:
                     print(json.dumps(rows[-1]), flush=True)
     print("\n| case | system | TTFT ms | decode tok/s |\n| --- | --- | --- | --- |")
     for case in ("image", "video"):
-        for system in ("mlx-vlm stream_generate", "trio-mlx engine"):
+        for system in NAMES.values():
             mine = [r for r in rows if r["case"] == case and r["system"] == system]
             if not mine:
                 continue

@@ -9,7 +9,8 @@ cache key. `MultimodalSequence` presents the interface the runner's serialized r
 - then an `ActiveSequence` over `PromptEmbeddingModel` does the rest, unchanged: prefill chunks
   (sized by the runner's pacer), the first token, pipelined decode, sampling, logits processors.
   `PromptEmbeddingModel` feeds the language model the merged embeddings (and the model's own
-  position ids) at prompt positions and plain token ids after them.
+  position ids) at prompt positions and plain token ids after them (text positions: the fused
+  rope where the model took it, `text_rope`).
 - `fed_tokens()` answers in cache-key ids (media positions replaced by ids derived from the
   media's hash: `prepare.MultimodalRequest.cache_key`), so the prefix cache stores and restores
   multimodal prompts exactly: a hit needs the same tokens and the same images before it.
@@ -52,6 +53,7 @@ class PromptEmbeddingModel:
         self._prompt = prompt
         self._length = int(prompt.embeds.shape[1])
         self._mrope = hasattr(self._lm, "_rope_deltas")
+        self._text_rope = vlm.text_rope
 
     @property
     def layers(self) -> Any:
@@ -81,7 +83,11 @@ class PromptEmbeddingModel:
             self._lm._position_ids = None
         if prompt.rope_deltas is not None:
             kwargs["rope_deltas"] = prompt.rope_deltas
-        return logits_of(self._lm(tokens, cache=cache, **kwargs))
+        if self._text_rope is None:
+            return logits_of(self._lm(tokens, cache=cache, **kwargs))
+        # past the prompt every token is text: its three positions are offset + rope delta
+        with self._text_rope.text_positions():
+            return logits_of(self._lm(tokens, cache=cache, **kwargs))
 
 
 class MultimodalSequence:

@@ -11,6 +11,8 @@ The loaded model serves two kinds of request with one set of weights:
   route, prefix cache and speed as a text model;
 - requests with images or video go through `multimodal.job` (vision encoding, then prefill with
   the merged input embeddings), on the same language model and the same kind of KV cache.
+On an MRoPE language model (the Qwen-VL family) text positions, which are every text request's
+and every generated token's, take MLX's fused rope (`text_rope`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 from trio_mlx.engine.model_spec import ResolvedModel
 from trio_mlx.errors import ModelLoadError
+from trio_mlx.multimodal import text_rope
+from trio_mlx.multimodal.text_rope import TextRoPE
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,9 @@ class VisionLanguageModel:
 
     model: Any
     processing: VisionProcessing
+    #: the language model's text positions through the fused rope (`text_rope`; None: the
+    #: model keeps mlx-vlm's rotary embedding for every position)
+    text_rope: TextRoPE | None = None
 
     @property
     def language_model(self) -> Any:
@@ -101,13 +108,15 @@ class TextView:
     mlx-vlm's mrope language models (the Qwen-VL family) keep the last request's position state
     (`_position_ids`, `_rope_deltas`) on the module; a text request would inherit an image
     request's. Each call here clears the prompt positions and passes a zero rope delta, which
-    makes the model place tokens at `cache offset + i`: what a text model does.
+    makes the model place tokens at `cache offset + i`: what a text model does; with `text_rope`
+    those positions take the fused rope (`text_rope`).
     """
 
-    def __init__(self, language_model: Any) -> None:
+    def __init__(self, language_model: Any, text_rope: TextRoPE | None = None) -> None:
         import mlx.core as mx
 
         self.language_model = language_model
+        self._text_rope = text_rope
         self._mrope = hasattr(language_model, "_rope_deltas")
         self._zero = mx.zeros((1, 1), dtype=mx.int32)
 
@@ -133,7 +142,10 @@ class TextView:
         if self._mrope:
             lm._position_ids = None
             kwargs.setdefault("rope_deltas", self._zero)
-        return logits_of(lm(tokens, cache=cache, **kwargs))
+        if self._text_rope is None:
+            return logits_of(lm(tokens, cache=cache, **kwargs))
+        with self._text_rope.text_positions():
+            return logits_of(lm(tokens, cache=cache, **kwargs))
 
 
 def logits_of(output: Any) -> Any:
@@ -178,9 +190,11 @@ def load_vision_model(
         image_token_id=_token_id(model.config, "image_token_id", "image_token_index"),
         video_token_id=_token_id(model.config, "video_token_id", "video_token_index"),
     )
-    vision = VisionLanguageModel(model=model, processing=processing)
+    vision = VisionLanguageModel(
+        model=model, processing=processing, text_rope=text_rope.install(model.language_model)
+    )
     log.info("loaded %s as a vision-language model (mlx-vlm %s)", resolved.name, model_type)
-    return TextView(model.language_model), tokenizer, config, vision
+    return TextView(model.language_model, vision.text_rope), tokenizer, config, vision
 
 
 def _token_id(config: Any, *names: str) -> int | None:
