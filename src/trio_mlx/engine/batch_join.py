@@ -5,9 +5,10 @@ A sequence admitted to the batch (`BatchDecoder.add`) waits in `BatchDecoder.wai
 prefilling on a cache of its own (restored from the prefix cache, or fresh) one chunk at a time
 under the runner's budget (`prefill`). It is ready once every prompt token but the last is in
 its cache; the runner then takes its prefill's snapshots, and it joins (`joined`): its cache is
-merged into the batch's (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`, left-padded, via the
-cache classes' `merge` / `extend`), and its last prompt token is its input to the next step,
-whose logits give its first token.
+merged into the batch's (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`, left-padded: plain
+layers in one new buffer with room to grow, `batch_layout`; others by their classes' `merge` /
+`extend`), and its last prompt token is its input to the next step, whose logits give its first
+token.
 
 `prefill` spends a budget of prompt tokens and seconds: with `group`, first the short prompts of
 several arrivals together in one pass where they can (`batch_prefill`); then, in admission order,
@@ -17,8 +18,8 @@ a chunk each (`BatchSequence.prefill_chunk`).
 - an empty batch and one joiner, with solo rows: the joiner's own cache becomes the batch's cache
   as it is (a lone row, `BatchDecoder.solo`: its step is the serialized route's forward pass);
 - an empty batch, or a lone row on its own cache: one new batch cache merged from the lone row's
-  cache (first) and the joiners' (`batch_mask.merged`);
-- a batch cache: the joiners' caches merged, then appended to it as rows (`extend`).
+  cache (first) and the joiners' (`batch_layout.merged`);
+- a batch cache: the joiners' caches appended to it as rows (`batch_layout.extend`).
 Each keeps the batch cache's `aligned` fact (`batch_mask`) from lengths known on the host.
 
 Errors: a prefill chunk that raises fails that sequence only (it leaves `waiting`); a group pass
@@ -36,7 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_mask
+from trio_mlx.engine import batch_layout, batch_mask
 from trio_mlx.engine.batch_prefill import choose_group, prefill_together
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.decode import PrefillPlan
@@ -136,14 +137,12 @@ def joined(
             caches.insert(0, cache)
             last = mx.concatenate([inputs, last])
         lengths = [batch_mask.sequence_length(c) for c in caches]
-        merged = batch_mask.merged(caches)
+        merged = batch_layout.merged(caches)
         batch_mask.adopt(merged, batch_mask.aligned_after_merge(lengths))
         return merged, last, False
     lengths = [batch_mask.sequence_length(c) for c in caches]
     joiners_aligned = batch_mask.aligned_after_merge(lengths)
-    theirs = batch_mask.merged(caches)
     aligned = batch_mask.aligned_after_extend(cache, lengths[0] if joiners_aligned else None)
-    for layer, joining in zip(cache, theirs, strict=True):
-        layer.extend(joining)
+    batch_layout.extend(cache, caches)
     batch_mask.adopt(cache, aligned)
     return cache, mx.concatenate([inputs, last]), False

@@ -55,12 +55,6 @@ def is_aligned(layers: list[Any]) -> bool:
     )
 
 
-def merged(caches: list[list[Any]]) -> list[Any]:
-    """Sequences' caches (each a list of layers) merged layer by layer into one batch cache
-    (each layer class's `merge`: left-padded to the longest)."""
-    return [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
-
-
 def sequence_length(layers: list[Any]) -> int | None:
     """A sequence's cached positions, from its first plain `KVCache` layer (None: it has none)."""
     for layer in layers:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from trio_mlx.engine import batch_mask
+from trio_mlx.engine import batch_layout, batch_mask
 from trio_mlx.engine.prefill_shapes import chunk_ladder
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def prefill_together(
     rows += [rows[-1]] * spare
     caches += [caches[-1]] * spare
     cached += [cached[-1]] * spare
-    batch = batch_mask.merged(caches)
+    batch = batch_layout.merged(caches)
     batch_mask.adopt(batch, batch_mask.aligned_after_merge(list(cached)))
     model(mx.array(rows, dtype=mx.uint32), cache=batch)
     longest = max(cached)
