@@ -125,3 +125,30 @@ async def test_an_image_request_aborted_mid_way_leaves_the_batch_as_it_was(
         # the engine is free: the same image again, whole
         again = await engine.chat(IMAGE, **{**GREEDY, "max_tokens": 4})
         assert again.tokens[:2] == image_tokens[:2]
+
+
+async def test_a_vision_model_loaded_by_the_caller_serves_a_batch(tiny_vlm_dir: Path) -> None:
+    """A model loaded on the caller's thread (`loader=`, as a Trio app or a benchmark does) and
+    used by two engines in turn: its arrays evaluate on each runner's thread."""
+    from trio_mlx.engine.loading import load_model
+
+    loaded = load_model(tiny_vlm_dir)
+    for _ in range(2):
+        async with trio_mlx.open_engine(
+            "vlm", loader=lambda _spec: loaded, max_num_seqs=4
+        ) as engine:
+            outputs = await both_texts(engine)
+            assert all(len(tokens) > 0 for tokens in outputs)
+            await assert_idle(engine)
+
+
+async def both_texts(engine: trio_mlx.Engine) -> list[list[int]]:
+    outputs: list[list[int]] = [[], []]
+
+    async def one(i: int) -> None:
+        outputs[i] = (await engine.chat(TEXTS[i], **GREEDY)).tokens
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(one, i)
+    return outputs

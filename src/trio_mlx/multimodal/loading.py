@@ -119,6 +119,9 @@ class TextView:
         self._text_rope = text_rope
         self._mrope = hasattr(language_model, "_rope_deltas")
         self._zero = mx.zeros((1, 1), dtype=mx.int32)
+        # evaluated here: a lazy array made on the loading thread's stream cannot be evaluated
+        # on the runner's thread (MLX: "There is no Stream(cpu, 0) in current thread")
+        mx.eval(self._zero)
 
     @property
     def layers(self) -> Any:
