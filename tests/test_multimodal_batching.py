@@ -1,7 +1,9 @@
 """A vision-language model on the batched route (`max_num_seqs > 1`), on the tiny random Qwen2-VL
-(tests/tiny_vlm.py): text-only requests decode together in the batch, each as it decodes alone;
-a request with an image steps beside the batch (`actors/media_lane.py`: why it cannot join), so
-image and text requests running together both complete as they do alone, and an image
+and Qwen2.5-VL (tests/tiny_vlm.py): text-only requests decode together in the batch, each as it
+decodes alone; a request with an image or a video takes its vision step and prefill beside the
+batch, then joins it to decode (`multimodal/joining.py`), every request's tokens what it gives
+alone (several images at once, a video, a second turn from the prefix cache); where a request
+cannot join (`media_lane`'s reasons) it decodes beside the batch, with the same tokens; an image
 request's abort leaves the batch's requests as they were."""
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ import pytest
 import trio
 
 import trio_mlx
-from media_samples import data_url, image_message, png
+from media_samples import data_url, image_message, png, write_video
 from runner_intake import hold_the_runner_intake
 from servers import eventually
+from tiny_vlm import build_tiny_vlm
+from trio_mlx.multimodal.media import MediaPolicy
 
 GREEDY: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0}
 TEXTS = [
@@ -23,6 +27,11 @@ TEXTS = [
     [{"role": "user", "content": "Count from one to ten, please, slowly and carefully."}],
 ]
 IMAGE = image_message(data_url(png(0)))
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "q25", model_type="qwen2_5_vl")
 
 
 async def alone(model_dir: Path, conversations: list[Any]) -> list[list[int]]:
@@ -76,7 +85,7 @@ async def test_text_requests_on_a_vlm_decode_in_one_batch_as_alone(
         await assert_idle(engine)
 
 
-async def test_an_image_request_beside_a_batch_completes_and_leaves_it_unchanged(
+async def test_an_image_request_joins_the_batch_and_decodes_as_alone(
     tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     conversations = [IMAGE, *TEXTS]
@@ -88,11 +97,108 @@ async def test_an_image_request_beside_a_batch_completes_and_leaves_it_unchanged
         outputs = await together(engine, conversations, hold)
         stats = engine.get_stats()["runner"]
         assert outputs == expected
+        assert stats["media_joined"] == 1
+        assert max(int(size) for size in stats["batch_sizes"]) == 3  # the image with the texts
+        # in the lane only its vision step and its prefill: it decoded in the batch
+        assert 2 <= stats["media_steps"] < GREEDY["max_tokens"]
+        assert engine.get_stats()["vision_cache"]["misses"] >= 1
+        await assert_idle(engine)
+
+
+async def test_an_image_request_that_cannot_join_decodes_beside_the_batch(
+    tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose rows cannot take positions of their own (no fused rope: not an MRoPE
+    model): the request decodes in the lane, step for step beside the batch."""
+    from trio_mlx.actors import media_lane
+
+    monkeypatch.setattr(media_lane, "can_join", lambda *args: False)
+    conversations = [IMAGE, *TEXTS]
+    expected = await alone(tiny_vlm_dir, conversations)
+    hold = hold_the_runner_intake(monkeypatch)
+    async with trio_mlx.open_engine(
+        tiny_vlm_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
+    ) as engine:
+        outputs = await together(engine, conversations, hold)
+        stats = engine.get_stats()["runner"]
+        assert outputs == expected
+        assert stats["media_joined"] == 0
         assert max(int(size) for size in stats["batch_sizes"]) == 2  # the two text requests
         # the image request's vision step, prefill and decode tokens, beside the batch
         assert stats["media_steps"] >= 2 + GREEDY["max_tokens"] - 1
-        assert engine.get_stats()["vision_cache"]["misses"] >= 1
         await assert_idle(engine)
+
+
+async def test_several_images_and_texts_decode_together_as_alone(
+    tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conversations = [
+        IMAGE,
+        *TEXTS,
+        image_message(data_url(png(1)), "Describe the colours."),
+        image_message(data_url(png(2, (84, 56)))),
+    ]
+    expected = await alone(tiny_vlm_dir, conversations)
+    hold = hold_the_runner_intake(monkeypatch)
+    async with trio_mlx.open_engine(
+        tiny_vlm_dir, max_num_seqs=8, prefill_chunk_seconds=60.0
+    ) as engine:
+        outputs = await together(engine, conversations, hold)
+        stats = engine.get_stats()["runner"]
+        assert outputs == expected
+        assert stats["media_joined"] == 3
+        assert max(int(size) for size in stats["batch_sizes"]) == 5
+        await assert_idle(engine)
+
+
+async def test_a_video_joins_the_batch_and_decodes_as_alone(
+    qwen2_5_vl_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    video = write_video(tmp_path / "clip.avi", frames=4)
+    clip: list[Any] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": str(video)}},
+                {"type": "text", "text": "What happens?"},
+            ],
+        }
+    ]
+    conversations = [clip, TEXTS[0]]
+    policy = MediaPolicy(allowed_local_dir=tmp_path)
+    async with trio_mlx.open_engine(qwen2_5_vl_dir, max_num_seqs=1, media=policy) as engine:
+        expected = [(await engine.chat(c, **GREEDY)).tokens for c in conversations]
+    hold = hold_the_runner_intake(monkeypatch)
+    async with trio_mlx.open_engine(
+        qwen2_5_vl_dir, max_num_seqs=4, prefill_chunk_seconds=60.0, media=policy
+    ) as engine:
+        outputs = await together(engine, conversations, hold)
+        assert outputs == expected
+        assert engine.get_stats()["runner"]["media_joined"] == 1
+        await assert_idle(engine)
+
+
+async def test_a_second_turn_about_the_image_starts_from_the_cached_first(
+    tiny_vlm_dir: Path,
+) -> None:
+    async def two_turns(engine: trio_mlx.Engine) -> tuple[list[int], list[int], int]:
+        first = await engine.chat(IMAGE, **GREEDY)
+        turn: list[Any] = [
+            *IMAGE,
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And what else?"},
+        ]
+        second = await engine.chat(turn, **GREEDY)
+        return first.tokens, second.tokens, second.cached_tokens
+
+    async with trio_mlx.open_engine(tiny_vlm_dir, max_num_seqs=1) as engine:
+        expected = await two_turns(engine)
+    async with trio_mlx.open_engine(tiny_vlm_dir, max_num_seqs=4) as engine:
+        first, second, cached = await two_turns(engine)
+        assert engine.get_stats()["runner"]["media_joined"] == 2
+    assert (first, second) == expected[:2]
+    # the batch's snapshot also holds the first turn's last token (fed before it was read)
+    assert cached >= expected[2] > 0
 
 
 async def test_an_image_request_aborted_mid_way_leaves_the_batch_as_it_was(

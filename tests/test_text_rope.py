@@ -98,10 +98,11 @@ def test_text_positions_rotate_as_mlx_vlm_at_long_offsets(tiny_vlm_dir: Path) ->
 
 
 async def run_both(
-    model_dir: Path, run: Any, rotations: list[int], **options: Any
+    model_dir: Path, run: Any, rotations: list[int], *, media_rows: bool = False, **options: Any
 ) -> tuple[Any, Any]:
-    """`run(engine)` with the fused rope, then with mlx-vlm's MRoPE (no fused rotation then):
-    one engine each, each loading the model."""
+    """`run(engine)` with the fused rope, then with mlx-vlm's MRoPE (no fused rotation then,
+    but for a batch with `media_rows`: rows continuing prompts with media take it always,
+    `multimodal.joining`): one engine each, each loading the model."""
     results = []
     for enabled in (True, False):
         TextRoPE.default = enabled
@@ -111,7 +112,7 @@ async def run_both(
                 results.append(await run(engine))
         finally:
             TextRoPE.default = None
-        assert (rotations[0] > before) is enabled
+        assert (rotations[0] > before) is (enabled or media_rows)
     return results[0], results[1]
 
 
@@ -169,7 +170,9 @@ async def test_text_requests_batched_and_a_cached_second_turn_match(
         assert second.cached_tokens > 0
         return [*outputs, first.tokens, second.tokens]
 
-    fused, plain = await run_both(tiny_vlm_dir, batch_and_turns, rotations, max_num_seqs=4)
+    fused, plain = await run_both(
+        tiny_vlm_dir, batch_and_turns, rotations, media_rows=True, max_num_seqs=4
+    )
     assert fused == plain
 
 

@@ -50,7 +50,7 @@ class EngineConfig:
     - `max_num_seqs`: up to this many sequences decode together, one forward pass per step
       (continuous batching); 1 is the serialized route, one generation at a time. None: 1 on the
       CPU (MLX's CPU step time grows linearly with the batch, so batching cannot pay there) and
-      `batch.GPU_MAX_NUM_SEQS` on a GPU.
+      `batch_sizing.GPU_MAX_NUM_SEQS` on a GPU.
     - `kv_memory_bytes`: memory budget for the running sequences' KV caches, each counted at its
       token limit (prompt + max_tokens, bounded by `max_kv_size`); admission queues or refuses a
       request that would exceed it. None: half of the device's memory left after the weights

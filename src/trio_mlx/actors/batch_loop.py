@@ -9,8 +9,10 @@ The loop, top to bottom, once per step while anything is live:
    for that row); a lone greedy row under a grammar whose last token was forced, a jump-forward
    step (`BatchDecoder.jump`: the tokens its grammar forces next in one pass); as soon as a
    second row joins, the batch decodes one token a step again;
-3. on a vision-language model, one step of each request with media (`media_lane.MediaLane`: they
-   cannot join the batch, see there why; they advance beside it, step for step);
+3. on a vision-language model, one step of each request with media in the media lane
+   (`media_lane.MediaLane`): its vision step and its prefill beside the batch, then, where it
+   can, it joins the batch to decode (`multimodal.joining`); where it cannot, it decodes there,
+   step for step beside the batch (see there why);
 4. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
    measured time, held to a couple of decode steps while rows decode, so a long prompt arriving
    does not stall the streams already decoding, more when many wait beside a small batch; with
@@ -74,7 +76,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         compiled=runner.compiled if compiled_batch_enabled() else None,
         padded_prefill=_padded_prefill(loaded.model, plan.block),
     )
-    lane = MediaLane(runner, loaded)
+    lane = MediaLane(runner, loaded, batch)
     counters = runner.counters
     pacer = runner.pacer
     since_join: int | None = None  # steps since the last join (None: none yet)

@@ -103,6 +103,7 @@ def engine_stats(
             "media_sequences": counters.media,
             "media_steps": counters.media_steps,
             "media_drafted": counters.media_drafted,
+            "media_joined": counters.media_joined,
             "slowest_recent_step": counters.slowest_recent_step(),
             "steps": counters.steps,
             "prefill_chunks": counters.prefill_chunks,

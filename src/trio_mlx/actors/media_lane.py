@@ -2,7 +2,11 @@
 
 On a vision-language model with `max_num_seqs > 1`, text-only requests go through the language
 model (`multimodal.loading.TextView`) and decode together in the batch like a text model's. A
-request with images or video cannot join that batch, for two reasons that are the batch's:
+request with images or video takes its vision step and its prefill here, beside the batch; on a
+model whose text positions take the fused rope (the MRoPE family: `multimodal.text_rope`) it then
+joins the batch to decode (`multimodal.joining`: a `JoiningMediaSequence` here until it is
+ready, then `BatchDecoder.admit`). Otherwise it stays here to the end, for two reasons that are
+the batch's:
 
 - its prefill feeds the language model merged input embeddings (vision features at the media
   positions) and the model's own 3-D mrope position ids (`multimodal.job.PromptEmbeddingModel`),
@@ -12,7 +16,7 @@ request with images or video cannot join that batch, for two reasons that are th
   media's positions are compressed into a grid, so the delta is negative), where the batch's one
   forward pass gives every row the delta 0 (`TextView` passes a zero delta for all rows).
 
-So each of them is a `MultimodalSequence` with its own KV cache, stepped here once per loop of
+So each of those is a `MultimodalSequence` with its own KV cache, stepped here once per loop of
 the batched route, after the batch's decode step and before its prefill chunk, exactly as the
 serialized route steps it: its first step is the vision encoding, then prefill chunks under the
 pacer's budget (the one the batch's own prefill gets, so decoding rows are not stalled longer
@@ -34,8 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.runner_protocol import SequenceEvent
+from trio_mlx.engine.batch import BatchDecoder
 from trio_mlx.multimodal.drafted import MediaSequence
 from trio_mlx.multimodal.job import MultimodalJob
+from trio_mlx.multimodal.joining import JoiningMediaSequence, cache_can_join, can_join
 
 if TYPE_CHECKING:
     from trio_mlx.actors.runner import Runner
@@ -49,10 +55,11 @@ Stores = list[tuple[Any, CacheKind, int | None]]
 class MediaLane:
     """The live requests with media on the batched route (see the module)."""
 
-    def __init__(self, runner: Runner, loaded: LoadedModel) -> None:
+    def __init__(self, runner: Runner, loaded: LoadedModel, batch: BatchDecoder) -> None:
         self._runner = runner
         self._loaded = loaded
-        self._live: dict[int, MediaSequence] = {}
+        self._batch = batch
+        self._live: dict[int, MediaSequence | JoiningMediaSequence] = {}
 
     def __len__(self) -> int:
         return len(self._live)
@@ -61,8 +68,24 @@ class MediaLane:
         """Start `job` from its longest cached prefix (raises if it cannot start)."""
         runner = self._runner
         vocab = runner.info.vocab_size if runner.info is not None else len(self._loaded.tokenizer)
-        self._live[job.request_id] = runner._multimodal_sequence(job, self._loaded, vocab)
+        joining = self._joining if self._joins(job) else None
+        self._live[job.request_id] = runner._media_sequence(job, self._loaded, vocab, joining)
         runner.counters.media = len(self._live)
+
+    def _joins(self, job: MultimodalJob) -> bool:
+        vlm = self._loaded.multimodal
+        return vlm is not None and can_join(job, vlm, self._loaded.model)
+
+    def _joining(
+        self, job: MultimodalJob, cache: list[Any] | None, cached_tokens: int
+    ) -> JoiningMediaSequence | None:
+        """`job` as a sequence that will join the batch, or None where its cache cannot."""
+        vlm = self._loaded.multimodal
+        assert vlm is not None
+        seq = self._batch.sequence(job, cache, cached_tokens, key_tokens=job.keyed().prompt_tokens)
+        if not cache_can_join(seq):
+            return None
+        return JoiningMediaSequence(seq, vlm, self._runner.vision_cache)
 
     def remove(self, request_id: int, *, store: bool) -> bool:
         """Take a request out (an abort); snapshot what its cache holds when `store` and its
@@ -111,6 +134,10 @@ class MediaLane:
             if result.finish is not None:
                 del self._live[request_id]
                 stores.append((seq, "conversation", None))
+            elif isinstance(seq, JoiningMediaSequence) and seq.ready:
+                del self._live[request_id]  # it decodes in the batch from its next step
+                self._batch.admit(seq.sequence)
+                counters.media_joined += 1
             if result.tokens or result.finish is not None:
                 events.append(
                     SequenceEvent(

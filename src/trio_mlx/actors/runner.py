@@ -98,6 +98,7 @@ from trio_mlx.engine.speculative import DEFAULT_NUM_DRAFT_TOKENS, Speculator
 from trio_mlx.errors import EngineCrashed
 from trio_mlx.multimodal.drafted import DraftedMultimodalSequence, MediaDrafter, MediaSequence
 from trio_mlx.multimodal.job import MultimodalJob, MultimodalSequence
+from trio_mlx.multimodal.joining import JoiningMediaSequence
 from trio_mlx.multimodal.vision import VisionFeatureCache
 from trio_mlx.types import FinishReason
 
@@ -389,10 +390,25 @@ class Runner:
     def _multimodal_sequence(
         self, job: MultimodalJob, loaded: LoadedModel, vocab_size: int
     ) -> MediaSequence:
+        """A request with media on a vision-language model, to decode where it steps
+        (`_media_sequence` without a way into the batch)."""
+        seq = self._media_sequence(job, loaded, vocab_size, None)
+        assert not isinstance(seq, JoiningMediaSequence)
+        return seq
+
+    def _media_sequence(
+        self,
+        job: MultimodalJob,
+        loaded: LoadedModel,
+        vocab_size: int,
+        joining: Callable[[MultimodalJob, list[Any] | None, int], JoiningMediaSequence | None]
+        | None,
+    ) -> MediaSequence | JoiningMediaSequence:
         """A request with media on a vision-language model: with an mlx-vlm drafter and
         sampling its loop honours, mlx-vlm's drafted decode (`multimodal.drafted`, no prefix
         cache); else from the longest cached prefix with the same tokens and the same media
-        (its cache key)."""
+        (its cache key): what `joining` makes of it (the batched route: a sequence that will
+        join the batch, `multimodal.joining`), or where it gives None a `MultimodalSequence`."""
         if loaded.multimodal is None:
             raise ValueError("this model takes text only")
         drafter = self.media_drafter
@@ -409,6 +425,10 @@ class Runner:
                 )
             log.debug("request %d decodes without the drafter: %s", job.request_id, declined)
         cache, cached_tokens = self._snapshots.restore_for(job.keyed())
+        if joining is not None:
+            joiner = joining(job, cache, cached_tokens)
+            if joiner is not None:
+                return joiner
         return MultimodalSequence(
             job,
             loaded.multimodal,

@@ -110,6 +110,8 @@ class RunnerCounters:
     #: vision-language model: `media_lane`)
     media: int = 0
     media_steps: int = 0
+    #: requests with media that joined the decode batch after their prefill (`multimodal.joining`)
+    media_joined: int = 0
     #: requests with media started on mlx-vlm's drafted route (`multimodal.drafted`; either
     #: route, with `EngineConfig.mllm_draft_model`)
     media_drafted: int = 0

@@ -26,7 +26,7 @@ from trio_mlx.actors.model_info import ModelInfo
 from trio_mlx.actors.runner import Runner
 from trio_mlx.actors.runner_start import ModelLoader
 from trio_mlx.config import EngineConfig
-from trio_mlx.engine.batch import default_max_num_seqs, device_memory_bytes
+from trio_mlx.engine.batch_sizing import default_max_num_seqs, device_memory_bytes
 from trio_mlx.engine.kv_snapshots import SnapshotSupport
 from trio_mlx.engine.loading import load_model
 from trio_mlx.engine.mlx_cuda import keep_attention_graphs

@@ -51,7 +51,6 @@ the only requests it can be attributed to, and the batch starts again empty.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,31 +75,6 @@ from trio_mlx.engine.prefill_shapes import padded_prefill_default
 from trio_mlx.engine.speculative import Speculator
 from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
-
-#: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
-GPU_MAX_NUM_SEQS = 64
-
-
-def default_max_num_seqs() -> int:
-    """1 on MLX's CPU backend (its step time grows linearly with the batch: 191 ms at 1 sequence,
-    1,291 ms at 8 on SmolLM2-135M), `GPU_MAX_NUM_SEQS` on a GPU."""
-    return GPU_MAX_NUM_SEQS if mx.default_device() == mx.gpu else 1
-
-
-def device_memory_bytes() -> int:
-    """The device's memory: the GPU's where MLX reports it, else the machine's."""
-    info = mx.device_info()
-    sizes = [v for k, v in info.items() if "memory" in k and isinstance(v, int) and v > 0]
-    if sizes and mx.default_device() == mx.gpu:
-        return max(sizes)
-    import os
-
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def batchable(cache: Sequence[Any]) -> bool:
-    """Whether every layer of a prompt cache can be merged into a batch (`merge`/`extend`)."""
-    return all(hasattr(c, "merge") for c in cache)
 
 
 @dataclass(frozen=True)
@@ -195,19 +169,37 @@ class BatchDecoder:
 
     def add(self, job: GenerationJob, cache: list[Any] | None, cached_tokens: int) -> BatchSequence:
         """Admit `job` (from a restored `cache` holding `cached_tokens`, or fresh) to prefill."""
-        seq = BatchSequence(
+        seq = self.sequence(job, cache, cached_tokens)
+        self.waiting.append(seq)
+        return seq
+
+    def sequence(
+        self,
+        job: GenerationJob,
+        cache: list[Any] | None,
+        cached_tokens: int,
+        key_tokens: tuple[int, ...] | None = None,
+    ) -> BatchSequence:
+        """A sequence of this batch for `job`, not admitted: with `key_tokens` (a prompt with
+        media, prefilled by `multimodal.joining` and admitted by `admit` once ready), chunks of
+        any size (its embeddings end with the prompt: no padded shapes)."""
+        media = key_tokens is not None
+        return BatchSequence(
             job,
             self._model,
             vocab_size=self._vocab,
-            plan=self._plan,
+            plan=PrefillPlan(self._plan.step) if media else self._plan,
             max_kv_size=self._max_kv_size,
             cache=cache,
             cached_tokens=cached_tokens,
             split_at_store_points=self._split,
-            padded=self._padded_prefill,
+            padded=self._padded_prefill and not media,
+            key_tokens=key_tokens,
         )
+
+    def admit(self, seq: BatchSequence) -> None:
+        """Admit a sequence prefilled elsewhere (`sequence`); it joins at the next `join`."""
         self.waiting.append(seq)
-        return seq
 
     def remove(self, request_id: int, *, keep_cache: bool = False) -> BatchSequence | None:
         """Take `request_id` out: at once if it is prefilling, at the next step if it is a row.
@@ -267,8 +259,13 @@ class BatchDecoder:
             if seq.pending is not None:
                 seq.fed_generated.append(seq.pending)
                 seq.pending = None
-        if self._compiled is not None and self._compiled.batch_fits(self._cache):
+        shifted = any(seq.rope_delta for seq in rows)  # rows continuing prompts with media
+        if not shifted and self._compiled is not None and self._compiled.batch_fits(self._cache):
             logits = self._compiled.batch_logits(self._inputs, self._cache)
+        elif shifted:
+            deltas = mx.array([seq.rope_delta for seq in rows], dtype=mx.int32)
+            logits = self._model(self._inputs[:, None], cache=self._cache, row_deltas=deltas)
+            logits = logits[:, -1, :]
         else:
             logits = self._model(self._inputs[:, None], cache=self._cache)[:, -1, :]
         self.steps += 1

@@ -41,7 +41,8 @@ def can_jump(rows: list[BatchSequence], cache: list[Any], *, solo: bool) -> bool
         return False
     seq = live[0]
     return (
-        seq.forced_last
+        seq.rope_delta == 0  # its positions are the model's own (`BatchSequence.rope_delta`)
+        and seq.forced_last
         and seq.grammar is not None
         and not seq.processors
         and seq.selector.batch_greedy

@@ -24,6 +24,7 @@ them as before. Layers of other classes (rotating windows, recurrent state) keep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -31,6 +32,11 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 #: mlx-lm's growth step of a `BatchKVCache` (its class attribute `step`)
 MIN_STEP = 256
+
+
+def batchable(cache: Sequence[Any]) -> bool:
+    """Whether every layer of a prompt cache can be merged into a batch (`merge`/`extend`)."""
+    return all(hasattr(c, "merge") for c in cache)
 
 
 def growth_step(columns: int) -> int:

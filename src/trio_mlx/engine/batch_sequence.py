@@ -42,6 +42,7 @@ class BatchSequence:
         cached_tokens: int,
         split_at_store_points: bool,
         padded: bool = False,
+        key_tokens: tuple[int, ...] | None = None,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
@@ -49,6 +50,12 @@ class BatchSequence:
             cached_tokens = 0
         self.job = job
         self.request_id = job.request_id
+        #: the prompt as the prefix cache keys it (a prompt with media: its media positions in
+        #: ids of the media's hash, `multimodal.prepare`); the prompt's own tokens otherwise
+        self.key_tokens = key_tokens if key_tokens is not None else job.prompt_tokens
+        #: the shift of this row's positions past its prompt (a prompt with media on an MRoPE
+        #: model: its rope delta, set once its media are encoded; `multimodal.joining`)
+        self.rope_delta = 0
         self.cache: list[Any] | None = make_cache(model, max_kv_size) if cache is None else cache
         self.cached_tokens = cached_tokens
         self._plan = plan if cached_tokens % plan.block == 0 else PrefillPlan(plan.step)
@@ -94,8 +101,9 @@ class BatchSequence:
         return not self.processors and self.grammar is None and self.selector.batch_greedy
 
     def fed_tokens(self) -> tuple[int, ...]:
-        """The tokens this sequence's cache holds at a call boundary, in order."""
-        return self.job.prompt_tokens[: self.prompt_done] + tuple(self.fed_generated)
+        """The tokens this sequence's cache holds at a call boundary, in order (the prompt's in
+        `key_tokens`)."""
+        return self.key_tokens[: self.prompt_done] + tuple(self.fed_generated)
 
     def remaining_prompt(self) -> int:
         """Prompt tokens still to prefill before it can join (all but the last)."""

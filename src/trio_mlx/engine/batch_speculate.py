@@ -27,6 +27,8 @@ def can_speculate(rows: Sequence[BatchSequence], *, step_queued: bool) -> bool:
     live = [s for s in rows if not s.removed]
     if len(live) != 1 or live[0].processors or live[0].grammar is not None:
         return False
+    if live[0].rope_delta:  # positions of its own (a prompt with media): the draft has none
+        return False
     return step_queued or live[0].pending is not None
 
 

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from trio_mlx.engine.batch import batchable
+from trio_mlx.engine.batch_layout import batchable
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.scheduling import PrefillPacer
 

@@ -127,6 +127,11 @@ class TextView:
     def layers(self) -> Any:
         return self.language_model.layers
 
+    @property
+    def places_rows(self) -> bool:
+        """Whether a call may shift rows' positions (`row_deltas`): the fused rope is in."""
+        return self._text_rope is not None
+
     def modules(self) -> list[Any]:
         """The language model's modules (what the start-up options walk: fused projections'
         default, quantized rows)."""
@@ -140,14 +145,21 @@ class TextView:
 
         return make_prompt_cache(self.language_model)
 
-    def __call__(self, tokens: Any, cache: Any = None, **kwargs: Any) -> Any:
+    def __call__(
+        self, tokens: Any, cache: Any = None, row_deltas: Any = None, **kwargs: Any
+    ) -> Any:
+        """The logits of `tokens` at their text positions; `row_deltas` (an int32 array, one a
+        row) shifts each row's positions (rows continuing prompts with media: their rope
+        deltas), through the fused rope (`text_rope`: a model without it has no such rows)."""
         lm = self.language_model
         if self._mrope:
             lm._position_ids = None
             kwargs.setdefault("rope_deltas", self._zero)
         if self._text_rope is None:
+            if row_deltas is not None:
+                raise ValueError("this model cannot place rows at positions of their own")
             return logits_of(lm(tokens, cache=cache, **kwargs))
-        with self._text_rope.text_positions():
+        with self._text_rope.text_positions(row_deltas):
             return logits_of(lm(tokens, cache=cache, **kwargs))
 
 

@@ -50,16 +50,23 @@ class TextRoPE:
     def __init__(self) -> None:
         self.active = False
         self.enabled = mx.default_device() == mx.gpu if self.default is None else self.default
+        #: each row's shift of its positions during a call (None: none)
+        self.deltas: Any = None
 
     @contextmanager
-    def text_positions(self) -> Iterator[None]:
+    def text_positions(self, deltas: Any = None) -> Iterator[None]:
         """Within: every position the model is given is a text position (its three MRoPE axes
-        equal, consecutive within a row), rotated by the fused rope."""
-        self.active = self.enabled
+        equal, consecutive within a row), rotated by the fused rope. With `deltas` (an int32
+        array, one a row) each row's positions are shifted by its delta: rows of a batch that
+        continue prompts with media (their rope delta; `BatchSequence.rope_delta`), which only
+        this rotation places, so it is used then whatever `enabled`."""
+        self.active = self.enabled or deltas is not None
+        self.deltas = deltas
         try:
             yield
         finally:
             self.active = False
+            self.deltas = None
 
 
 class TextPositionRoPE:
@@ -93,15 +100,19 @@ class TextPositionRoPE:
 
     def rotate(self, x: Any, position_ids: Any) -> Any:
         """`x` (batch, heads, tokens, dims) rotated at text positions `position_ids` ((3, batch,
-        tokens) or (batch, tokens)): each row from its first position on."""
+        tokens) or (batch, tokens)): each row from its first position on, plus its delta (the
+        switch's `deltas`)."""
         rows = position_ids[0] if position_ids.ndim == 3 else position_ids
+        offset = rows[:, 0]
+        if self._switch.deltas is not None:
+            offset = offset + self._switch.deltas
         return mx.fast.rope(
             x,
             self._dims,
             traditional=self._traditional,
             base=None,
             scale=1.0,
-            offset=rows[:, 0],
+            offset=offset,
             freqs=self._freqs,
         )
 

@@ -1,0 +1,115 @@
+"""A request with media on its way into the decode batch. Runner thread only.
+
+On the batched route a request with images or video used to step beside the batch for its whole
+life (`actors.media_lane`): a forward pass of its own every step, however many such requests ran.
+Two things kept it out of the batch: its prompt goes through the language model as merged input
+embeddings with MRoPE position ids of three axes, and the tokens after its prompt sit at
+`cache offset + rope delta`, a delta of its own. Neither holds once its prompt is in its cache:
+every later position is a text position, which the fused rope places at any per-row delta
+(`text_rope`, `TextView(..., row_deltas=)`). So such a request:
+
+1. steps in the media lane as before for its vision step (the tower, or its features from the
+   `VisionFeatureCache`: a step of its own, so an abort takes effect right after it) and for its
+   prefill, chunk by chunk under the pacer's budget, on a cache of its own: a `BatchSequence`
+   (`BatchDecoder.sequence`) whose chunks go through `PromptEmbeddingModel` (the merged
+   embeddings and the model's own positions), up to every prompt token but the last;
+2. then, ready, it leaves the lane for the batch (`BatchDecoder.admit`): it joins at the next
+   step as any prefilled sequence does, with its rope delta (`BatchSequence.rope_delta`), its
+   last prompt token its first input, and decodes in the batch's one forward pass from there.
+
+Its prefix-cache keys are its prompt in cache-key ids (`BatchSequence.key_tokens`: media
+positions in ids of the media's hash), so snapshots are stored and found as the lane's are.
+Which requests join (`can_join`): on a model whose text positions take the fused rope (an MRoPE
+model where it agrees with mlx-vlm's rotation), a prompt that ends with a text token (its last
+token is fed as text), a cache the batch can merge; others stay in the lane to the end, as do
+requests mlx-vlm's drafter serves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trio_mlx.engine.batch_layout import batchable
+from trio_mlx.engine.batch_sequence import BatchSequence
+from trio_mlx.engine.generation_job import GenerationJob, StepResult
+from trio_mlx.multimodal.job import MultimodalJob, PromptEmbeddingModel
+from trio_mlx.multimodal.loading import VisionLanguageModel
+from trio_mlx.multimodal.vision import VisionFeatureCache, embed_prompt
+
+
+def can_join(job: MultimodalJob, vlm: VisionLanguageModel, model: Any) -> bool:
+    """Whether `job` can join the decode batch once prefilled (module docstring), before its
+    cache is known; `model` is the batch's (the VLM's `TextView`)."""
+    media = {vlm.processing.image_token_id, vlm.processing.video_token_id}
+    return (
+        bool(getattr(model, "places_rows", False))
+        and bool(job.prompt_tokens)
+        and job.prompt_tokens[-1] not in media
+    )
+
+
+def cache_can_join(seq: BatchSequence) -> bool:
+    """Whether `seq`'s own cache can be merged into the batch's."""
+    return seq.cache is not None and batchable(seq.cache)
+
+
+class JoiningMediaSequence:
+    """A request with media in the media lane until it is ready to join (module docstring):
+    the lane's interface (`step`, `in_prefill`, `prefill_done`, `cached_tokens`, `cache`,
+    `fed_tokens`), with `ready` and `sequence` for the hand-off."""
+
+    def __init__(
+        self,
+        seq: BatchSequence,
+        vlm: VisionLanguageModel,
+        vision_cache: VisionFeatureCache,
+    ) -> None:
+        self.sequence = seq
+        self.job: GenerationJob = seq.job
+        self._vlm = vlm
+        self._vision_cache = vision_cache
+        self._model: PromptEmbeddingModel | None = None
+
+    @property
+    def in_prefill(self) -> bool:
+        return True
+
+    @property
+    def prefill_done(self) -> bool:
+        return False
+
+    @property
+    def ready(self) -> bool:
+        """Encoded and prefilled up to its last prompt token: it can join the batch."""
+        return self._model is not None and self.sequence.ready
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.sequence.cached_tokens
+
+    @property
+    def cache(self) -> list[Any]:
+        assert self.sequence.cache is not None  # its own until it joins the batch
+        return self.sequence.cache
+
+    @property
+    def generated(self) -> int:
+        return 0
+
+    def fed_tokens(self) -> tuple[int, ...]:
+        """What its cache holds, in cache-key ids."""
+        return self.sequence.fed_tokens()
+
+    def step(self, prefill_limit: int | None = None) -> StepResult:
+        """The vision step first, then one prefill chunk of at most `prefill_limit` tokens."""
+        seq = self.sequence
+        if self._model is None:
+            job = self.job
+            assert isinstance(job, MultimodalJob) and job.vision is not None
+            embeddings = embed_prompt(self._vlm, job.prompt_tokens, job.vision, self._vision_cache)
+            self._model = PromptEmbeddingModel(self._vlm, embeddings)
+            if embeddings.rope_deltas is not None:
+                seq.rope_delta = int(embeddings.rope_deltas.reshape(-1)[0].item())
+            return StepResult()
+        n, points = seq.prefill_chunk(self._model, prefill_limit or 1 << 30)
+        return StepResult(prefilled=n, store_points=points)
