@@ -52,6 +52,8 @@ class TextRoPE:
         self.enabled = mx.default_device() == mx.gpu if self.default is None else self.default
         #: each row's shift of its positions during a call (None: none)
         self.deltas: Any = None
+        self._ids: Any = None  # the call's position ids, and the offsets computed from them
+        self._offsets: Any = None
 
     @contextmanager
     def text_positions(self, deltas: Any = None) -> Iterator[None]:
@@ -66,7 +68,18 @@ class TextRoPE:
             yield
         finally:
             self.active = False
-            self.deltas = None
+            self.deltas = self._ids = self._offsets = None
+
+    def offsets(self, position_ids: Any) -> Any:
+        """Each row's first position (plus its delta) from `position_ids` ((3, batch, tokens)
+        or (batch, tokens)), int32; computed once a call (every layer gets the same ids)."""
+        if position_ids is not self._ids:
+            rows = position_ids[0] if position_ids.ndim == 3 else position_ids
+            offsets = rows[:, 0].astype(mx.int32)
+            if self.deltas is not None:
+                offsets = offsets + self.deltas
+            self._ids, self._offsets = position_ids, offsets
+        return self._offsets
 
 
 class TextPositionRoPE:
@@ -102,17 +115,13 @@ class TextPositionRoPE:
         """`x` (batch, heads, tokens, dims) rotated at text positions `position_ids` ((3, batch,
         tokens) or (batch, tokens)): each row from its first position on, plus its delta (the
         switch's `deltas`)."""
-        rows = position_ids[0] if position_ids.ndim == 3 else position_ids
-        offset = rows[:, 0]
-        if self._switch.deltas is not None:
-            offset = offset + self._switch.deltas
         return mx.fast.rope(
             x,
             self._dims,
             traditional=self._traditional,
             base=None,
             scale=1.0,
-            offset=offset,
+            offset=self._switch.offsets(position_ids),
             freqs=self._freqs,
         )
 
