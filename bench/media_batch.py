@@ -102,7 +102,7 @@ def main(argv: list[str]) -> dict[str, Any]:
                 for mode in ("join", "lane"):
                     media_lane.can_join = joins if mode == "join" else (lambda *a: False)
 
-                    async def run(n: int = n) -> dict[str, float]:
+                    async def run(n: int = n, repeat: int = repeat) -> dict[str, float]:
                         async with trio_mlx.open_engine(
                             "model", loader=lambda _spec: loaded, max_num_seqs=max(n, 2)
                         ) as engine:
