@@ -85,24 +85,31 @@ async def test_text_requests_on_a_vlm_decode_in_one_batch_as_alone(
         await assert_idle(engine)
 
 
+async def image_with_texts(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The image request and the two texts started together: each gives its tokens alone, the
+    engine ends idle. The runner's statistics."""
+    conversations = [IMAGE, *TEXTS]
+    expected = await alone(model_dir, conversations)
+    hold = hold_the_runner_intake(monkeypatch)
+    async with trio_mlx.open_engine(
+        model_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
+    ) as engine:
+        outputs = await together(engine, conversations, hold)
+        stats: dict[str, Any] = engine.get_stats()["runner"]
+        assert outputs == expected
+        assert engine.get_stats()["vision_cache"]["misses"] >= 1
+        await assert_idle(engine)
+    return stats
+
+
 async def test_an_image_request_joins_the_batch_and_decodes_as_alone(
     tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conversations = [IMAGE, *TEXTS]
-    expected = await alone(tiny_vlm_dir, conversations)
-    hold = hold_the_runner_intake(monkeypatch)
-    async with trio_mlx.open_engine(
-        tiny_vlm_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
-    ) as engine:
-        outputs = await together(engine, conversations, hold)
-        stats = engine.get_stats()["runner"]
-        assert outputs == expected
-        assert stats["media_joined"] == 1
-        assert max(int(size) for size in stats["batch_sizes"]) == 3  # the image with the texts
-        # in the lane only its vision step and its prefill: it decoded in the batch
-        assert 2 <= stats["media_steps"] < GREEDY["max_tokens"]
-        assert engine.get_stats()["vision_cache"]["misses"] >= 1
-        await assert_idle(engine)
+    stats = await image_with_texts(tiny_vlm_dir, monkeypatch)
+    assert stats["media_joined"] == 1
+    assert max(int(size) for size in stats["batch_sizes"]) == 3  # the image with the texts
+    # in the lane only its vision step and its prefill: it decoded in the batch
+    assert 2 <= stats["media_steps"] < GREEDY["max_tokens"]
 
 
 async def test_an_image_request_that_cannot_join_decodes_beside_the_batch(
@@ -113,20 +120,11 @@ async def test_an_image_request_that_cannot_join_decodes_beside_the_batch(
     from trio_mlx.actors import media_lane
 
     monkeypatch.setattr(media_lane, "can_join", lambda *args: False)
-    conversations = [IMAGE, *TEXTS]
-    expected = await alone(tiny_vlm_dir, conversations)
-    hold = hold_the_runner_intake(monkeypatch)
-    async with trio_mlx.open_engine(
-        tiny_vlm_dir, max_num_seqs=4, prefill_chunk_seconds=60.0
-    ) as engine:
-        outputs = await together(engine, conversations, hold)
-        stats = engine.get_stats()["runner"]
-        assert outputs == expected
-        assert stats["media_joined"] == 0
-        assert max(int(size) for size in stats["batch_sizes"]) == 2  # the two text requests
-        # the image request's vision step, prefill and decode tokens, beside the batch
-        assert stats["media_steps"] >= 2 + GREEDY["max_tokens"] - 1
-        await assert_idle(engine)
+    stats = await image_with_texts(tiny_vlm_dir, monkeypatch)
+    assert stats["media_joined"] == 0
+    assert max(int(size) for size in stats["batch_sizes"]) == 2  # the two text requests
+    # the image request's vision step, prefill and decode tokens, beside the batch
+    assert stats["media_steps"] >= 2 + GREEDY["max_tokens"] - 1
 
 
 async def test_several_images_and_texts_decode_together_as_alone(
