@@ -11,14 +11,18 @@ MLX 0.32.4 in both systems; bf16) with SmolLM2's tokenizer plus the vision token
 49,156 rather than 151,936: the output layer is smaller than the real model's; say so with any
 figure). Cases: one 448x448 image; a 16-frame 448x448 video at 2 frames a second (both systems
 sample 2 a second). EOS is ignored (`max_tokens` tokens each). `--systems` picks the sides and
-their order: `mlx-vlm`, `engine`, and `engine-mrope` (the engine with the fused rope for text
-positions off: mlx-vlm's MRoPE at every position, `multimodal.text_rope`). Prints a JSON object per
+their order: `mlx-vlm`, `engine`, `engine-mrope` (the engine with the fused rope for text
+positions off: mlx-vlm's MRoPE at every position, `multimodal.text_rope`) and `vllm-mlx`
+(vllm-mlx's server with `--mllm`, from `--vllm-python`: a streaming chat completion with the media
+as a data URL, fresh media each time since it caches what it has seen, EOS banned by logit bias,
+video sampled per request at the same 2 frames a second). Prints a JSON object per
 (case, system, repeat) and a summary table (medians).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -89,6 +93,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 NAMES = {
     "mlx-vlm": "mlx-vlm stream_generate",
+    "vllm-mlx": "vllm-mlx server (HTTP)",
     "engine": "trio-mlx engine",
     "engine-mrope": "trio-mlx engine, MRoPE at text positions",
 }
@@ -110,13 +115,13 @@ def build(shape: str, out: Path) -> Path:
     )
 
 
-def media(tmp: Path, size: int, frames: int) -> tuple[Any, Path]:
+def media(tmp: Path, size: int, frames: int, seed: int = 0) -> tuple[Any, Path]:
     import cv2
     from PIL import Image
 
-    rng = np.random.RandomState(0)
+    rng = np.random.RandomState(seed)
     picture = Image.fromarray(rng.randint(0, 256, (size, size, 3), dtype=np.uint8))
-    video = tmp / "clip.avi"
+    video = tmp / f"clip-{seed}.avi"
     writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"MJPG"), 2, (size, size))
     for _ in range(frames):
         writer.write(rng.randint(0, 256, (size, size, 3), dtype=np.uint8))
@@ -149,6 +154,106 @@ def run_mlx_vlm(
     end = time.perf_counter()
     assert first is not None
     return {"ttft_ms": (first - began) * 1e3, "decode_tps": (count - 1) / max(end - first, 1e-9)}
+
+
+def data_url(picture: Any, video: Path | None) -> tuple[str, str]:
+    """The image (PNG) or the video file as a data URL, and its content part's type."""
+    import base64
+    import io
+
+    if video is not None:
+        encoded = base64.b64encode(video.read_bytes()).decode()
+        return f"data:video/x-msvideo;base64,{encoded}", "video_url"
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}", "image_url"
+
+
+def run_server(
+    base_url: str,
+    model: str,
+    picture: Any,
+    video: Path | None,
+    max_tokens: int,
+    frames: int,
+    eos: list[int],
+) -> dict[str, float]:
+    """One streaming chat completion with the image or the video as a data URL (vllm-mlx's
+    server: its per-request `video_fps` / `video_max_frames` set as the other sides sample)."""
+    import httpx
+
+    url, kind = data_url(picture, video)
+    body = {
+        "model": model,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": kind, kind: {"url": url}},
+                    {"type": "text", "text": "Describe it."},
+                ],
+            }
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logit_bias": {str(t): -100.0 for t in eos},
+    }
+    if video is not None:
+        body |= {"video_fps": 2.0, "video_max_frames": frames}
+    began = time.perf_counter()
+    first = None
+    count = 0
+    lines: list[str] = []
+    with httpx.stream("POST", base_url + "/chat/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            lines.append(line)
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                count = int(event["usage"].get("completion_tokens") or count)
+            choices = event.get("choices") or []
+            if first is None and choices and (choices[0].get("delta") or {}).get("content"):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    if first is None:
+        raise RuntimeError(f"no text in the reply: {lines[:12]}")
+    return {"ttft_ms": (first - began) * 1e3, "decode_tps": (count - 1) / max(end - first, 1e-9)}
+
+
+class VllmMlx:
+    """vllm-mlx's server on the model (`--mllm`), started once, from `--vllm-python` (its own
+    site: it needs mlx-lm<0.32; `bench/gpu_run.sh install-vllm` on the GPU host)."""
+
+    def __init__(self, python: str, model_dir: Path, workdir: Path) -> None:
+        from bench.compare import Server, free_port
+
+        port = free_port()
+        argv = [python, "-m", "vllm_mlx.cli", "serve", str(model_dir), "--mllm"]
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--max-tokens", "4096"]
+        log = workdir / "vllm-mlx-multimodal.log"
+        self.server = Server("vllm_mlx", argv, port, log, model_dir.name)
+        self.model = ""
+
+    def __enter__(self) -> VllmMlx:
+        import trio
+        from bench.compare import served_name, server_env, wait_ready
+
+        self.server.start(server_env())
+        try:
+            trio.run(wait_ready, self.server, 600.0)
+            self.model = trio.run(served_name, self.server)
+        except BaseException:
+            self.server.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
 
 
 async def run_engine(
@@ -192,6 +297,12 @@ def main() -> None:
     parser.add_argument(
         "--systems", default="mlx-vlm,engine", help="which sides to run, in this order"
     )
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/trio-mlx-bench"))
+    parser.add_argument(
+        "--vllm-python",
+        default="/tmp/vllm-python",
+        help="the Python with vllm-mlx for the vllm-mlx side (bench/gpu_run.sh install-vllm)",
+    )
     args = parser.parse_args()
     systems = args.systems.split(",")
 
@@ -228,24 +339,49 @@ def main() -> None:
             rows.append({"case": case, "system": name, "repeat": repeat, **result})
             print(json.dumps(rows[-1]), flush=True)
 
-        for repeat in range(args.repeats):
-            for case in ("image", "video"):
-                clip = video if case == "video" else None
-                for system in systems:
-                    if system in ("engine", "engine-mrope"):
-                        trio.run(engine_side, case, repeat, system)
-                        continue
-                    run_mlx_vlm(model_dir, picture, clip, 4)  # warm
-                    result = run_mlx_vlm(model_dir, picture, clip, args.max_tokens)
-                    rows.append(
-                        {"case": case, "system": "mlx-vlm stream_generate", "repeat": repeat}
-                        | result
-                    )
-                    print(json.dumps(rows[-1]), flush=True)
+        config = json.loads((model_dir / "config.json").read_text())
+        eos = config["eos_token_id"]
+        eos_ids = [eos] if isinstance(eos, int) else list(eos)
+
+        def one_cell(case: str, repeat: int, system: str, vllm: VllmMlx | None) -> None:
+            clip = video if case == "video" else None
+            if system in ("engine", "engine-mrope"):
+                trio.run(engine_side, case, repeat, system)
+                return
+            if system == "vllm-mlx":
+                assert vllm is not None
+                # media of their own each time: vllm-mlx keeps caches of what it has seen
+                fresh, fresh_clip = media(tmp, size, args.frames, seed=1 + 2 * repeat)
+                warm, warm_clip = media(tmp, size, args.frames, seed=2 + 2 * repeat)
+                url, model, frames = vllm.server.base_url, vllm.model, args.frames
+                try:
+                    run_server(url, model, warm, warm_clip if clip else None, 4, frames, eos_ids)
+                    clip = fresh_clip if clip else None
+                    result = run_server(url, model, fresh, clip, args.max_tokens, frames, eos_ids)
+                except RuntimeError as exc:  # the server's own failure, said in the row
+                    result = {"error": str(exc)[:500], "log": vllm.server.log_tail(3)}
+            else:
+                run_mlx_vlm(model_dir, picture, clip, 4)  # warm
+                result = run_mlx_vlm(model_dir, picture, clip, args.max_tokens)
+            rows.append({"case": case, "system": NAMES[system], "repeat": repeat} | result)
+            print(json.dumps(rows[-1]), flush=True)
+
+        with contextlib.ExitStack() as stack:
+            vllm = None
+            if "vllm-mlx" in systems:
+                args.workdir.mkdir(parents=True, exist_ok=True)
+                vllm = stack.enter_context(VllmMlx(args.vllm_python, model_dir, args.workdir))
+            for repeat in range(args.repeats):
+                for case in ("image", "video"):
+                    for system in systems:
+                        one_cell(case, repeat, system, vllm)
     print("\n| case | system | TTFT ms | decode tok/s |\n| --- | --- | --- | --- |")
     for case in ("image", "video"):
         for system in NAMES.values():
             mine = [r for r in rows if r["case"] == case and r["system"] == system]
+            if any("error" in r for r in mine):
+                print(f"| {case} | {system} | failed: see the rows | |")
+            mine = [r for r in mine if "error" not in r]
             if not mine:
                 continue
             ttft = statistics.median(r["ttft_ms"] for r in mine)
