@@ -19,7 +19,7 @@ import mlx.core as mx
 from trio_mlx.engine.decode import GenerationJob, LogitsProcessor, PrefillPlan
 from trio_mlx.engine.padded_attention import padded_forward
 from trio_mlx.engine.prefill_shapes import PADDED_UP_TO, key_width, pass_size, reserve
-from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.prompt_cache import make_cache, without_kept_tokens
 from trio_mlx.engine.sampling import TokenSelector
 
 
@@ -56,7 +56,10 @@ class BatchSequence:
         #: the shift of this row's positions past its prompt (a prompt with media on an MRoPE
         #: model: its rope delta, set once its media are encoded; `multimodal.joining`)
         self.rope_delta = 0
-        self.cache: list[Any] | None = make_cache(model, max_kv_size) if cache is None else cache
+        # a bounded window keeps no leading positions in a batch (`prompt_cache`'s docstring)
+        self.cache: list[Any] | None = (
+            make_cache(model, max_kv_size, keep=0) if cache is None else without_kept_tokens(cache)
+        )
         self.cached_tokens = cached_tokens
         self._plan = plan if cached_tokens % plan.block == 0 else PrefillPlan(plan.step)
         self._split = split_at_store_points

@@ -8,6 +8,16 @@ applies the bound itself: every plain `KVCache` layer the model asks for (also i
 `CacheList`) becomes a `RotatingKVCache(max_size=max_kv_size, keep=4)`, which is what mlx-lm builds
 for models without `make_cache`. Layers the model made otherwise (its own sliding windows,
 recurrent state, chunked caches) are the model's semantics and stay as they are.
+
+On the batched route a bounded window keeps no leading positions (`keep=0`: `make_cache(...,
+keep=0)`, `without_kept_tokens` for a restored cache): mlx-lm's batch window
+(`BatchRotatingKVCache`) has no kept positions, so a sequence whose window kept some would attend
+differently once merged into a batch than alone, and its output would depend on its companions.
+A window without kept positions also attends to the same positions however its prompt is cut
+into chunks (`chunking_exact_limit`), so there a sequence's output depends neither on its
+companions nor on the pacer's chunk sizes. Measured on the tiny model with `max_kv_size` 40 and
+a 41-token prompt beside another request: with kept positions the batch's first token already
+differed from the request alone; without, every token equal.
 """
 
 from __future__ import annotations
@@ -17,31 +27,50 @@ from typing import Any
 
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
-__all__ = ["KEEP_TOKENS", "chunking_exact_limit", "make_cache"]
+__all__ = ["KEEP_TOKENS", "chunking_exact_limit", "make_cache", "without_kept_tokens"]
 
 #: Leading positions a bounded cache never drops (the attention sink), as mlx-lm keeps.
 KEEP_TOKENS = 4
 
 
-def make_cache(model: Any, max_kv_size: int | None = None) -> list[Any]:
+def make_cache(model: Any, max_kv_size: int | None = None, keep: int = KEEP_TOKENS) -> list[Any]:
     """A fresh prompt cache for `model` (one entry per layer).
 
     Without `max_kv_size`, exactly what `make_prompt_cache(model)` builds. With it, each plain
-    `KVCache` layer is replaced by `RotatingKVCache(max_size=max_kv_size, keep=KEEP_TOKENS)`, so
-    the key/value memory of a sequence stays bounded at `max_kv_size` positions per layer.
+    `KVCache` layer is replaced by `RotatingKVCache(max_size=max_kv_size, keep=keep)`, so the
+    key/value memory of a sequence stays bounded at `max_kv_size` positions per layer (`keep`:
+    the batched route's 0, see the module docstring).
     """
     cache = make_prompt_cache(model)
     if max_kv_size is None:
         return cache
-    return [_bounded(c, max_kv_size) for c in cache]
+    return [_bounded(c, max_kv_size, keep) for c in cache]
 
 
-def _bounded(layer: Any, max_kv_size: int) -> Any:
+def _bounded(layer: Any, max_kv_size: int, keep: int) -> Any:
     if type(layer) is KVCache:
-        return RotatingKVCache(max_size=max_kv_size, keep=KEEP_TOKENS)
+        return RotatingKVCache(max_size=max_kv_size, keep=keep)
     if type(layer) is CacheList:
-        return CacheList(*(_bounded(child, max_kv_size) for child in layer.caches))
+        return CacheList(*(_bounded(child, max_kv_size, keep) for child in layer.caches))
     return layer
+
+
+def without_kept_tokens(cache: list[Any]) -> list[Any]:
+    """`cache` (in place) with its bounded windows keeping no leading positions, where none has
+    dropped a position yet (then the kept positions have not counted: the window is as if built
+    with `keep=0`); a window that has is left as it is."""
+
+    def visit(layer: Any) -> None:
+        if isinstance(layer, RotatingKVCache):
+            if layer.keep and layer.offset <= layer.max_size:
+                layer.keep = 0
+        elif isinstance(layer, CacheList):
+            for child in layer.caches:
+                visit(child)
+
+    for layer in cache:
+        visit(layer)
+    return cache
 
 
 def chunking_exact_limit(cache: Sequence[Any]) -> int | None:
