@@ -111,3 +111,19 @@ async def test_a_long_prompt_joining_short_rows_keeps_every_rows_tokens(
             await eventually(lambda: engine.get_stats()["runner"]["decode_steps"] >= 3)
             nursery.start_soon(one, len(short), long)
     assert [together[i] for i in range(len(short) + 1)] == alone
+
+
+@pytest.mark.parametrize("keep", [[0, 2], [1], [2, 3], [0, 1, 2, 3]])
+def test_rows_leave_as_mlx_lms_filter_leaves_them(keep: list[int]) -> None:
+    lengths = [5, 30, 12, 7]
+
+    def batch() -> BatchKVCache:
+        cache = batch_layout.merged([[filled(n, 40 + i)] for i, n in enumerate(lengths)])[0]
+        step = mx.random.normal((len(lengths), HEADS, 1, DIMS), key=mx.random.key(5))
+        cache.update_and_fetch(step, step)
+        return cache
+
+    ours, theirs = batch(), batch()
+    batch_layout.filter_rows([ours], keep, [lengths[i] + 1 for i in keep])
+    theirs.filter(keep)
+    assert state(ours) == state(theirs)

@@ -56,7 +56,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_join, batch_mask
+from trio_mlx.engine import batch_join, batch_layout, batch_mask
 from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
@@ -439,8 +439,9 @@ class BatchDecoder:
             self.solo = True
             return
         aligned = batch_mask.aligned_after_filter(self._cache, len(keep))
-        for layer in self._cache:
-            layer.filter(keep)
+        # each kept row's cache holds its fed tokens (the step in flight's input included)
+        lengths = [self.rows[i].prompt_done + len(self.rows[i].fed_generated) for i in keep]
+        batch_layout.filter_rows(self._cache, keep, lengths)
         batch_mask.adopt(self._cache, aligned)
         self._inputs = self._inputs[mx.array(keep)]
         self.rows = [self.rows[i] for i in keep]
