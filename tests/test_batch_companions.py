@@ -1,0 +1,105 @@
+"""A request's output on the batched route does not depend on its companions, whatever mix of
+settings they carry (tiny fp32 model): seeded random mixes of prompt lengths, `max_tokens`,
+greedy and seeded sampling (temperature, top-p, top-k, min-p), penalties, logit biases, stop
+strings and logprobs, with and without `max_kv_size`, each request run alone and then all started
+at one step boundary on the same engine: the same tokens, finish reasons and text, and logprobs
+equal within float rounding. Bounded: 2 mixes x 2 windows of 6 requests, 24 tokens at most."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_mlx
+from runner_intake import hold_the_runner_intake
+from servers import eventually
+
+WORDS = [
+    "the",
+    "lighthouse",
+    "keeper",
+    "watched",
+    "a",
+    "grey",
+    "sea",
+    "roll",
+    "under",
+    "the",
+    "evening",
+    "sky",
+    "and",
+    "wrote",
+]
+
+
+def request_mix(seed: int, count: int) -> list[tuple[str, dict[str, Any]]]:
+    """`count` (prompt, options) pairs drawn from `seed`."""
+    rng = random.Random(seed)
+    mix = []
+    for i in range(count):
+        prompt = f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40)))
+        options: dict[str, Any] = {"max_tokens": rng.randint(4, 24)}
+        if rng.random() < 0.5:
+            options |= {"temperature": 0.9, "seed": rng.randint(0, 1000)}
+            options |= rng.choice([{}, {"top_p": 0.8}, {"top_k": 20}, {"min_p": 0.05}])
+        else:
+            options["temperature"] = 0.0
+        if rng.random() < 0.3:
+            options["repetition_penalty"] = 1.3
+        if rng.random() < 0.3:
+            options["presence_penalty"] = 0.5
+        if rng.random() < 0.3:
+            options["logit_bias"] = {rng.randint(100, 40_000): 5.0, rng.randint(100, 40_000): -5.0}
+        if rng.random() < 0.3:
+            options["logprobs"] = True
+            options["top_logprobs"] = 2
+        if rng.random() < 0.2:
+            options["stop"] = [rng.choice(WORDS)]
+        mix.append((prompt, options))
+    return mix
+
+
+def summary(out: Any) -> tuple[Any, ...]:
+    return (tuple(out.tokens), out.finish_reason, out.text)
+
+
+def logprob_values(out: Any) -> list[float]:
+    return [entry.logprob for entry in out.logprobs or ()]
+
+
+@pytest.mark.parametrize("max_kv_size", [None, 24])
+@pytest.mark.parametrize("seed", [3, 11])
+async def test_each_request_gives_alone_what_it_gives_with_any_companions(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, seed: int, max_kv_size: int | None
+) -> None:
+    mix = request_mix(seed, 6)
+    async with trio_mlx.open_engine(
+        tiny_model_dir,
+        max_num_seqs=8,
+        max_kv_size=max_kv_size,
+        cache_memory_bytes=0,
+        admission="wait",
+        max_waiting=8,
+    ) as engine:
+        alone = [await engine.generate(prompt, **options) for prompt, options in mix]
+        hold = hold_the_runner_intake(monkeypatch)
+        together: list[Any] = [None] * len(mix)
+
+        async def one(i: int) -> None:
+            prompt, options = mix[i]
+            together[i] = await engine.generate(prompt, **options)
+
+        hold.close()
+        async with trio.open_nursery() as nursery:
+            for i in range(len(mix)):
+                nursery.start_soon(one, i)
+            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == len(mix))
+            hold.open()
+        assert max(int(n) for n in engine.get_stats()["runner"]["batch_sizes"]) >= 4
+    assert [summary(o) for o in together] == [summary(o) for o in alone]
+    for a, b in zip(alone, together, strict=True):
+        assert logprob_values(a) == pytest.approx(logprob_values(b), abs=1e-4)
