@@ -198,8 +198,9 @@ def test_trio_mlx_serve_reads_local_images_only_under_the_allowed_path(
 async def test_an_image_and_a_text_request_together_on_a_batching_server(
     tiny_vlm_dir: Path,
 ) -> None:
-    """With max_num_seqs > 1 the text request decodes in the batch and the image request steps
-    beside it (actors/media_lane.py): together, each gets what it gets alone."""
+    """With max_num_seqs > 1 the text request decodes in the batch and the image request takes
+    its vision step and prefill beside it, then joins it (multimodal/joining.py): together, each
+    gets what it gets alone; /metrics counts the join."""
     text = [{"role": "user", "content": "Tell me about the sea."}]
     async with running_server(tiny_vlm_dir, served_model_names=("vlm",), max_num_seqs=4) as server:
         async with openai.AsyncOpenAI(
@@ -226,4 +227,8 @@ async def test_an_image_and_a_text_request_together_on_a_batching_server(
             assert together == alone
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
                 runner = (await http.get("/v1/status")).json()["runner"]
+                metrics = (await http.get("/metrics")).text
             assert runner["batching"] is True and runner["media_steps"] > 0
+            assert runner["media_joined"] == 2  # alone, then beside the text request
+            assert 'trio_mlx:media_joined_total{model_name="vlm"} 2' in metrics
+            assert 'trio_mlx:num_sequences_media{model_name="vlm"} 0' in metrics

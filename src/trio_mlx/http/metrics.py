@@ -185,6 +185,19 @@ class Metrics:
                 "Memory of the live sequences' KV caches.",
                 [sample("kv_cache_bytes", runner.get("kv_bytes", 0))],
             )
+            if stats.get("multimodal"):
+                metric(
+                    "num_sequences_media",
+                    "gauge",
+                    "Requests with media stepping beside the decode batch (vision step, prefill).",
+                    [sample("num_sequences_media", runner.get("media_sequences", 0))],
+                )
+                metric(
+                    "media_joined_total",
+                    "counter",
+                    "Requests with media that joined the decode batch after their prefill.",
+                    [sample("media_joined_total", runner.get("media_joined", 0))],
+                )
             speculative = stats.get("speculative")
             if speculative:
                 for name, key, help in (
