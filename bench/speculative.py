@@ -23,6 +23,10 @@ Greedy decoding, one request at a time, each variant interleaved with the others
   target's forward pass is the real one, a bias on the drafted token is added to its logits);
 - `raw`: mlx-lm's own `generate_step` and `speculative_generate_step` on the same models
   (mlx-lm's acceptance counts tokens flagged as coming from the draft);
+- `server` (`--servers`): `mlx_lm.server` without and with `--draft-model` (`--num-draft-tokens
+  K`) and `trio-mlx serve` with `--draft-model`, one streaming chat completion each run over
+  loopback HTTP, decode tok/s from the client's side (completion tokens after the first over the
+  time from the first content to the end); each server started once, kept for the repeats;
 - `projection`: decode speed the measured step costs give at acceptance rates 0.5 .. 0.9
   ((1 - a^(K+1)) / (1 - a) tokens per K draft steps and one verification).
 With random weights a 1B draft agrees with an 8B target on almost nothing: report speed at the
@@ -201,6 +205,77 @@ def raw_decode(
     }
 
 
+class ServerSide:
+    """One OpenAI-compatible server on the target (with the draft where `argv` says), started on
+    first use and kept until `close`."""
+
+    def __init__(self, name: str, system: str, argv: list[str], workdir: Path) -> None:
+        from bench.compare import Server, free_port
+
+        port = free_port()
+        host = ["--host", "127.0.0.1", "--port", str(port)]
+        # `system`: bench.compare's name of the server kind (how it is asked its model's name)
+        self.server = Server(system, [*argv, *host], port, workdir / f"{name}.log", "model")
+        self.name = name
+        self.model: str | None = None
+
+    def decode(self, tokens: int) -> dict[str, float]:
+        from bench.compare import served_name, server_env, wait_ready
+
+        if self.model is None:
+            self.server.start(server_env())
+            try:
+                trio.run(wait_ready, self.server, 300.0)
+            except BaseException:
+                self.server.stop()
+                raise
+            self.model = trio.run(served_name, self.server)
+            self._chat(8)  # warm-up
+        return self._chat(tokens)
+
+    def _chat(self, tokens: int) -> dict[str, float]:
+        import httpx
+
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        began = time.perf_counter()
+        first = None
+        chunks = 0
+        usage = None
+        url = self.server.base_url + "/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=600) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"{self.name}: {response.status_code}")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                choices = event.get("choices") or []
+                if choices and (choices[0].get("delta") or {}).get("content"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter()
+        end = time.perf_counter()
+        count = int(usage["completion_tokens"]) if usage else chunks
+        if first is None or count < 2:
+            raise RuntimeError(f"{self.name}: no text")
+        return {
+            "decode_tok_s": (count - 1) / (end - first),
+            "ttft_ms": 1e3 * (first - began),
+            "tokens": count,
+        }
+
+    def close(self) -> None:
+        self.server.stop()
+
+
 def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
@@ -222,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-self", action="store_true", help="skip the self-draft")
     parser.add_argument(
         "--no-batched", action="store_true", help="skip the batched route (max_num_seqs 64)"
+    )
+    parser.add_argument(
+        "--servers",
+        action="store_true",
+        help="also mlx_lm.server without and with --draft-model, and trio-mlx serve with it",
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -278,13 +358,31 @@ def main(argv: list[str] | None = None) -> int:
             variants["mlx_lm_oracle_draft"] = lambda: raw_decode(
                 agreeing.model, draft.model, tok, k, args.tokens
             )
+    servers: list[ServerSide] = []
+    if args.servers:
+        target_path, draft_path = str(target_dir.path), str(draft_dir.path)
+        draft_args = ["--draft-model", draft_path, "--num-draft-tokens", str(k)]
+        mlx_lm = [sys.executable, "-m", "mlx_lm.server", "--model", target_path]
+        trio_mlx = [sys.executable, "-m", "trio_mlx", "serve", target_path]
+        for name, system, argv_ in (
+            ("mlx_lm_server_plain", "mlx_lm_server", mlx_lm),
+            ("mlx_lm_server_draft", "mlx_lm_server", [*mlx_lm, *draft_args]),
+            ("trio_mlx_serve_draft", "http", [*trio_mlx, *draft_args]),
+        ):
+            side = ServerSide(name, system, argv_, args.workdir)
+            servers.append(side)
+            variants[name] = lambda side=side: side.decode(args.tokens)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     names = list(variants)
-    for repeat in range(args.repeats):
-        order = names[repeat % len(names) :] + names[: repeat % len(names)]
-        for name in order:
-            runs[name].append(variants[name]())
-            print(name, json.dumps(runs[name][-1]), flush=True)
+    try:
+        for repeat in range(args.repeats):
+            order = names[repeat % len(names) :] + names[: repeat % len(names)]
+            for name in order:
+                runs[name].append(variants[name]())
+                print(name, json.dumps(runs[name][-1]), flush=True)
+    finally:
+        for side in servers:
+            side.close()
     results = {name: median_of(r) for name, r in runs.items()}
     plain = results["engine_plain"]["decode_tok_s"]
     for r in results.values():
