@@ -199,8 +199,8 @@ async def test_an_image_and_a_text_request_together_on_a_batching_server(
     tiny_vlm_dir: Path,
 ) -> None:
     """With max_num_seqs > 1 the text request decodes in the batch and the image request takes
-    its vision step and prefill beside it, then joins it (multimodal/joining.py): together, each
-    gets what it gets alone; /metrics counts the join."""
+    its vision step beside it, then prefills and decodes in it (multimodal/joining.py):
+    together, each gets what it gets alone; /metrics counts the join."""
     text = [{"role": "user", "content": "Tell me about the sea."}]
     async with running_server(tiny_vlm_dir, served_model_names=("vlm",), max_num_seqs=4) as server:
         async with openai.AsyncOpenAI(

@@ -2,11 +2,11 @@
 
 On a vision-language model with `max_num_seqs > 1`, text-only requests go through the language
 model (`multimodal.loading.TextView`) and decode together in the batch like a text model's. A
-request with images or video takes its vision step and its prefill here, beside the batch; on a
-model whose text positions take the fused rope (the MRoPE family: `multimodal.text_rope`) it then
-joins the batch to decode (`multimodal.joining`: a `JoiningMediaSequence` here until it is
-ready, then `BatchDecoder.admit`). Otherwise it stays here to the end, for two reasons that are
-the batch's:
+request with images or video takes its vision step here, beside the batch; on a model whose text
+positions take the fused rope (the MRoPE family: `multimodal.text_rope`) it then prefills and
+decodes in the batch (`multimodal.joining`: a `JoiningMediaSequence` here for its vision step,
+then `BatchDecoder.admit`). Otherwise it stays here to the end, for two reasons that are the
+batch's:
 
 - its prefill feeds the language model merged input embeddings (vision features at the media
   positions) and the model's own 3-D mrope position ids (`multimodal.job.PromptEmbeddingModel`),
@@ -134,8 +134,8 @@ class MediaLane:
             if result.finish is not None:
                 del self._live[request_id]
                 stores.append((seq, "conversation", None))
-            elif isinstance(seq, JoiningMediaSequence) and seq.ready:
-                del self._live[request_id]  # it decodes in the batch from its next step
+            elif isinstance(seq, JoiningMediaSequence) and seq.encoded:
+                del self._live[request_id]  # it prefills and decodes in the batch from here
                 self._batch.admit(seq.sequence)
                 counters.media_joined += 1
             if result.tokens or result.finish is not None:

@@ -12,7 +12,8 @@ token.
 
 `prefill` spends a budget of prompt tokens and seconds: with `group`, first the short prompts of
 several arrivals together in one pass where they can (`batch_prefill`); then, in admission order,
-a chunk each (`BatchSequence.prefill_chunk`).
+a chunk each (`BatchSequence.prefill_chunk`; a prompt with media through its own
+`prefill_model`, `multimodal.joining`).
 
 `joined` by the batch it joins (ready sequences join in admission order, after the batch's rows):
 - an empty batch and one joiner, with solo rows: the joiner's own cache becomes the batch's cache
@@ -98,7 +99,7 @@ def prefill(
         if seq.ready:
             continue
         try:
-            n, points = seq.prefill_chunk(model, tokens)
+            n, points = seq.prefill_chunk(seq.prefill_model or model, tokens)
         except Exception as exc:
             waiting.remove(seq)
             results.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))

@@ -56,6 +56,9 @@ class BatchSequence:
         #: the shift of this row's positions past its prompt (a prompt with media on an MRoPE
         #: model: its rope delta, set once its media are encoded; `multimodal.joining`)
         self.rope_delta = 0
+        #: what its prompt's chunks go through instead of the batch's model (a prompt with
+        #: media: its merged embeddings, `multimodal.job.PromptEmbeddingModel`); None: the model
+        self.prefill_model: Any = None
         # a bounded window keeps no leading positions in a batch (`prompt_cache`'s docstring)
         self.cache: list[Any] | None = (
             make_cache(model, max_kv_size, keep=0) if cache is None else without_kept_tokens(cache)

@@ -4,18 +4,19 @@ On the batched route a request with images or video used to step beside the batc
 life (`actors.media_lane`): a forward pass of its own every step, however many such requests ran.
 Two things kept it out of the batch: its prompt goes through the language model as merged input
 embeddings with MRoPE position ids of three axes, and the tokens after its prompt sit at
-`cache offset + rope delta`, a delta of its own. Neither holds once its prompt is in its cache:
-every later position is a text position, which the fused rope places at any per-row delta
-(`text_rope`, `TextView(..., row_deltas=)`). So such a request:
+`cache offset + rope delta`, a delta of its own. Neither needs a forward pass of its own: its
+prompt's chunks can go through `PromptEmbeddingModel` (the merged embeddings and the model's own
+positions) on its own cache like any prefill chunk, and every position after its prompt is a
+text position, which the fused rope places at any per-row delta (`text_rope`, `TextView(...,
+row_deltas=)`). So such a request:
 
-1. steps in the media lane as before for its vision step (the tower, or its features from the
-   `VisionFeatureCache`: a step of its own, so an abort takes effect right after it) and for its
-   prefill, chunk by chunk under the pacer's budget, on a cache of its own: a `BatchSequence`
-   (`BatchDecoder.sequence`) whose chunks go through `PromptEmbeddingModel` (the merged
-   embeddings and the model's own positions), up to every prompt token but the last;
-2. then, ready, it leaves the lane for the batch (`BatchDecoder.admit`): it joins at the next
-   step as any prefilled sequence does, with its rope delta (`BatchSequence.rope_delta`), its
-   last prompt token its first input, and decodes in the batch's one forward pass from there.
+1. takes its vision step in the media lane (the tower, or its features from the
+   `VisionFeatureCache`: a step of its own, so an abort takes effect right after it): a
+   `JoiningMediaSequence` over a `BatchSequence` (`BatchDecoder.sequence`);
+2. is then admitted to the batch (`BatchDecoder.admit`), its `prefill_model` its merged
+   embeddings and its `rope_delta` set: it prefills as any arrival does, a chunk a step under the
+   batch's one budget and in admission order (never in a group pass), joins when ready, its last
+   prompt token its first input, and decodes in the batch's one forward pass from there.
 
 Its prefix-cache keys are its prompt in cache-key ids (`BatchSequence.key_tokens`: media
 positions in ids of the media's hash), so snapshots are stored and found as the lane's are.
@@ -54,9 +55,9 @@ def cache_can_join(seq: BatchSequence) -> bool:
 
 
 class JoiningMediaSequence:
-    """A request with media in the media lane until it is ready to join (module docstring):
-    the lane's interface (`step`, `in_prefill`, `prefill_done`, `cached_tokens`, `cache`,
-    `fed_tokens`), with `ready` and `sequence` for the hand-off."""
+    """A request with media in the media lane for its vision step (module docstring): the
+    lane's interface (`step`, `in_prefill`, `prefill_done`, `cached_tokens`, `cache`,
+    `fed_tokens`), with `encoded` and `sequence` for the hand-off."""
 
     def __init__(
         self,
@@ -68,7 +69,6 @@ class JoiningMediaSequence:
         self.job: GenerationJob = seq.job
         self._vlm = vlm
         self._vision_cache = vision_cache
-        self._model: PromptEmbeddingModel | None = None
 
     @property
     def in_prefill(self) -> bool:
@@ -79,9 +79,9 @@ class JoiningMediaSequence:
         return False
 
     @property
-    def ready(self) -> bool:
-        """Encoded and prefilled up to its last prompt token: it can join the batch."""
-        return self._model is not None and self.sequence.ready
+    def encoded(self) -> bool:
+        """Its media are encoded: its sequence can prefill in the batch."""
+        return self.sequence.prefill_model is not None
 
     @property
     def cached_tokens(self) -> int:
@@ -101,15 +101,13 @@ class JoiningMediaSequence:
         return self.sequence.fed_tokens()
 
     def step(self, prefill_limit: int | None = None) -> StepResult:
-        """The vision step first, then one prefill chunk of at most `prefill_limit` tokens."""
+        """The vision step: its prompt's embeddings, its sequence's `prefill_model` and
+        `rope_delta` (`prefill_limit` unused: its prefill is the batch's)."""
         seq = self.sequence
-        if self._model is None:
-            job = self.job
-            assert isinstance(job, MultimodalJob) and job.vision is not None
-            embeddings = embed_prompt(self._vlm, job.prompt_tokens, job.vision, self._vision_cache)
-            self._model = PromptEmbeddingModel(self._vlm, embeddings)
-            if embeddings.rope_deltas is not None:
-                seq.rope_delta = int(embeddings.rope_deltas.reshape(-1)[0].item())
-            return StepResult()
-        n, points = seq.prefill_chunk(self._model, prefill_limit or 1 << 30)
-        return StepResult(prefilled=n, store_points=points)
+        job = self.job
+        assert isinstance(job, MultimodalJob) and job.vision is not None
+        embeddings = embed_prompt(self._vlm, job.prompt_tokens, job.vision, self._vision_cache)
+        if embeddings.rope_deltas is not None:
+            seq.rope_delta = int(embeddings.rope_deltas.reshape(-1)[0].item())
+        seq.prefill_model = PromptEmbeddingModel(self._vlm, embeddings)
+        return StepResult()
