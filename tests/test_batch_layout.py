@@ -127,3 +127,16 @@ def test_rows_leave_as_mlx_lms_filter_leaves_them(keep: list[int]) -> None:
     batch_layout.filter_rows([ours], keep, [lengths[i] + 1 for i in keep])
     theirs.filter(keep)
     assert state(ours) == state(theirs)
+
+
+@pytest.mark.parametrize("row", [0, 1, 3])
+def test_a_row_copied_out_holds_what_mlx_lms_extract_gives(row: int) -> None:
+    lengths = [5, 30, 12, 7]
+    cache = batch_layout.merged([[filled(n, 60 + i)] for i, n in enumerate(lengths)])[0]
+    step = mx.random.normal((len(lengths), HEADS, 1, DIMS), key=mx.random.key(6))
+    cache.update_and_fetch(step, step)
+    ours = batch_layout.extract_row([cache], row, lengths[row] + 1)[0]
+    theirs = cache.extract(row)
+    assert ours.offset == theirs.offset == lengths[row] + 1
+    assert ours.keys.tolist() == theirs.keys.tolist()
+    assert ours.values.tolist() == theirs.values.tolist()

@@ -421,7 +421,9 @@ class BatchDecoder:
         """Row `row`'s cache: the lone row's own (no copy) or a copy out of the batch cache."""
         if self.solo:
             return self._cache
-        return [c.extract(row) for c in self._cache]
+        seq = self.rows[row]  # its cache holds its fed tokens
+        length = seq.prompt_done + len(seq.fed_generated)
+        return batch_layout.extract_row(self._cache, row, length)
 
     def _drop_removed(self) -> None:
         keep = [i for i, seq in enumerate(self.rows) if not seq.removed]

@@ -21,12 +21,15 @@ the state its `merge` / `extend` leave (left padding, per-row offsets, `_idx`), 
 them as before. Layers of other classes (rotating windows, recurrent state) keep their classes'
 `merge` / `extend`.
 
-Rows leave (`filter`) as by mlx-lm's `filter` (the kept rows gathered, the columns every kept row
-has as padding cut from the left), except that how many columns that is comes from the host
+Rows leave (`filter_rows`) as by mlx-lm's `filter` (the kept rows gathered, the columns every kept
+row has as padding cut from the left), except that how many columns that is comes from the host
 (`shift`: the batch's write position less the longest kept row's cached length, which the
 decoder knows), where mlx-lm's reads the left padding back from the device: a wait for the step
 in flight, so the host could not build the next step while the device ran it, once for every
 request that finished (2.4-2.8 ms a finish on the tiny model on this CPU, about a whole step).
+A row's own cache is copied out (`extract_row`: a finished row's, for its snapshot; the last row
+left, to decode alone) the same way, from the row's length on the host where mlx-lm's `extract`
+reads its left padding back.
 """
 
 from __future__ import annotations
@@ -142,3 +145,21 @@ def filter_rows(layers: list[Any], keep: list[int], lengths: list[int]) -> None:
                 layer.values = layer.values[..., shift:, :]
             layer._idx -= shift
             layer.left_padding = layer.left_padding - shift
+
+
+def extract_row(layers: list[Any], row: int, length: int) -> list[Any]:
+    """Row `row` of a batch's cache as a sequence's own cache (a copy); `length`: its cached
+    positions. Plain `BatchKVCache` layers without reading the device; others by their class's
+    `extract`."""
+    out = []
+    for layer in layers:
+        if type(layer) is not BatchKVCache:
+            out.append(layer.extract(row))
+            continue
+        cache = KVCache()
+        start = layer._idx - length
+        cache.keys = mx.contiguous(layer.keys[row : row + 1, :, start : layer._idx])
+        cache.values = mx.contiguous(layer.values[row : row + 1, :, start : layer._idx])
+        cache.offset = length
+        out.append(cache)
+    return out
