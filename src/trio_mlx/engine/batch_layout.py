@@ -156,10 +156,12 @@ def extract_row(layers: list[Any], row: int, length: int) -> list[Any]:
         if type(layer) is not BatchKVCache:
             out.append(layer.extract(row))
             continue
+        keys: Any = layer.keys  # mlx-lm declares them None until filled
+        values: Any = layer.values
         cache = KVCache()
         start = layer._idx - length
-        cache.keys = mx.contiguous(layer.keys[row : row + 1, :, start : layer._idx])
-        cache.values = mx.contiguous(layer.values[row : row + 1, :, start : layer._idx])
+        cache.keys = mx.contiguous(keys[row : row + 1, :, start : layer._idx])
+        cache.values = mx.contiguous(values[row : row + 1, :, start : layer._idx])
         cache.offset = length
         out.append(cache)
     return out
