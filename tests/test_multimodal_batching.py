@@ -8,6 +8,7 @@ request's abort leaves the batch's requests as they were."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -256,3 +257,34 @@ async def both_texts(engine: trio_mlx.Engine) -> list[list[int]]:
         for i in range(2):
             nursery.start_soon(one, i)
     return outputs
+
+
+async def test_an_image_request_keeps_its_output_format_on_both_routes(
+    tiny_vlm_dir: Path,
+) -> None:
+    """The output format of a request with media is enforced as a text request's is (it was
+    dropped while the request was prepared): alone on the serialized route, and in the batch
+    beside a text request."""
+    texts = [await formatted_image_beside_text(tiny_vlm_dir, n) for n in (1, 4)]
+    assert re.fullmatch("(yes|no), [a-z]{2,6}", texts[0])
+    assert texts[0] == texts[1]
+
+
+async def formatted_image_beside_text(model_dir: Path, max_num_seqs: int) -> str:
+    from trio_mlx.structured.formats import OutputFormat
+
+    answer = OutputFormat.regex("(yes|no), [a-z]{2,6}")
+    replies: list[Any] = [None, None]
+    async with trio_mlx.open_engine(
+        model_dir, max_num_seqs=max_num_seqs, admission="wait", max_waiting=4
+    ) as engine:
+
+        async def one(i: int, messages: Any) -> None:
+            options = {"output_format": answer} if i == 0 else {}
+            replies[i] = await engine.chat(messages, **GREEDY, **options)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 0, IMAGE)
+            nursery.start_soon(one, 1, TEXTS[0])
+    assert replies[0].finish_reason == "stop"
+    return str(replies[0].text)

@@ -232,3 +232,32 @@ async def test_an_image_and_a_text_request_together_on_a_batching_server(
             assert runner["media_joined"] == 2  # alone, then beside the text request
             assert 'trio_mlx:media_joined_total{model_name="vlm"} 2' in metrics
             assert 'trio_mlx:num_sequences_media{model_name="vlm"} 0' in metrics
+
+
+async def test_an_image_with_a_json_schema_gets_a_reply_in_it(
+    vlm_client: openai.AsyncOpenAI,
+) -> None:
+    """`response_format` holds for a request with an image as for text (the openai client)."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    reply = await vlm_client.chat.completions.create(
+        model="vlm",
+        messages=image_message(data_url(png(2))),  # type: ignore[arg-type]
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "verdict", "schema": schema, "strict": True},
+        },
+        max_tokens=40,
+        temperature=0,
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert json.loads(reply.choices[0].message.content or "") in (
+        {"answer": "yes"},
+        {"answer": "no"},
+    )

@@ -15,6 +15,7 @@ Nothing here touches MLX or the runner: the processor's outputs travel as numpy 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -227,12 +228,11 @@ def render_and_process(
         images=len(images),
         videos=len(videos),
     )
+    # every field of the prepared request (its grammar, processors, reasoning tags, ...) as
+    # the text path's, but the system prefix: a prompt with media is cached by its media key
+    prepared = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
     return MultimodalRequest(
-        prompt_tokens=request.prompt_tokens,
-        params=request.params,
-        logits_processors=request.logits_processors,
-        reasoning=request.reasoning,
-        system_prefix=None,
+        **(prepared | {"system_prefix": None}),
         vision=vision,
         cache_key=_media_cache_key(request.prompt_tokens, media_ids, arrays),
     )
