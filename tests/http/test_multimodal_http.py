@@ -261,3 +261,37 @@ async def test_an_image_with_a_json_schema_gets_a_reply_in_it(
         {"answer": "yes"},
         {"answer": "no"},
     )
+
+
+async def test_an_image_with_a_required_tool_gets_a_call(vlm_client: openai.AsyncOpenAI) -> None:
+    """`tool_choice` "required" and a named function hold for a request with an image (their
+    forced tool-call grammar is the request's output format)."""
+    tools: Any = [
+        {
+            "type": "function",
+            "function": {
+                "name": "describe",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"colour": {"type": "string", "enum": ["red", "blue"]}},
+                    "required": ["colour"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    choices: Any = ("required", {"type": "function", "function": {"name": "describe"}})
+    for choice in choices:
+        reply = await vlm_client.chat.completions.create(
+            model="vlm",
+            messages=image_message(data_url(png(1))),  # type: ignore[arg-type]
+            tools=tools,
+            tool_choice=choice,
+            max_tokens=60,
+            temperature=0,
+        )
+        assert reply.choices[0].finish_reason == "tool_calls"
+        calls = reply.choices[0].message.tool_calls or []
+        assert [c.function.name for c in calls] == ["describe"]  # type: ignore[union-attr]
+        arguments = calls[0].function.arguments  # type: ignore[union-attr]
+        assert arguments in ('{"colour": "red"}', '{"colour": "blue"}')
