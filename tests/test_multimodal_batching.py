@@ -288,3 +288,31 @@ async def formatted_image_beside_text(model_dir: Path, max_num_seqs: int) -> str
             nursery.start_soon(one, 1, TEXTS[0])
     assert replies[0].finish_reason == "stop"
     return str(replies[0].text)
+
+
+async def test_an_image_request_aborted_while_it_prefills_in_the_batch(tiny_vlm_dir: Path) -> None:
+    """Aborted as soon as its vision step has handed it to the batch, where its prompt prefills
+    8 tokens a step: it leaves the batch, the text request beside it completes as alone,
+    nothing is left behind."""
+    expected = await alone(tiny_vlm_dir, [TEXTS[1]])
+    async with trio_mlx.open_engine(
+        tiny_vlm_dir, max_num_seqs=4, prefill_step_size=8, cache_memory_bytes=0
+    ) as engine:
+        text: list[list[int]] = []
+
+        async def image_until_aborted(cancel: trio.CancelScope) -> None:
+            with cancel:
+                await engine.chat(IMAGE, **GREEDY)
+
+        async def ask_text() -> None:
+            text.append((await engine.chat(TEXTS[1], **GREEDY)).tokens)
+
+        async with trio.open_nursery() as nursery:
+            cancel = trio.CancelScope()
+            nursery.start_soon(image_until_aborted, cancel)
+            nursery.start_soon(ask_text)
+            await eventually(lambda: engine.get_stats()["runner"]["media_joined"] == 1)
+            cancel.cancel()
+        assert text == expected
+        await eventually(lambda: engine.get_stats()["runner"]["aborted"] == 1)
+        await assert_idle(engine)
