@@ -5,16 +5,11 @@ model (`multimodal.loading.TextView`) and decode together in the batch like a te
 request with images or video takes its vision step here, beside the batch; on a model whose text
 positions take the fused rope (the MRoPE family: `multimodal.text_rope`) it then prefills and
 decodes in the batch (`multimodal.joining`: a `JoiningMediaSequence` here for its vision step,
-then `BatchDecoder.admit`). Otherwise it stays here to the end, for two reasons that are the
-batch's:
-
-- its prefill feeds the language model merged input embeddings (vision features at the media
-  positions) and the model's own 3-D mrope position ids (`multimodal.job.PromptEmbeddingModel`),
-  where the batch's prefill (`engine.batch.BatchDecoder.prefill`) feeds token ids at positions
-  that follow each row's cache offset;
-- its decode places each new token at `cache offset + rope delta`, a per-request delta (the
-  media's positions are compressed into a grid, so the delta is negative), where the batch's one
-  forward pass gives every row the delta 0 (`TextView` passes a zero delta for all rows).
+then `BatchDecoder.admit`). Otherwise it stays here to the end: on a model without the fused
+rope, the batch's one forward pass cannot place a row at `cache offset + rope delta` (a delta of
+its own: the media's positions are compressed into a grid, so it is negative; `TextView` gives
+every row the delta 0); a prompt that ends with a media token has no text token to join with; a
+request mlx-vlm's drafter serves runs mlx-vlm's own loop.
 
 So each of those is a `MultimodalSequence` with its own KV cache, stepped here once per loop of
 the batched route, after the batch's decode step and before its prefill chunk, exactly as the
