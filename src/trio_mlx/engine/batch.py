@@ -32,7 +32,8 @@ step k while the host reads step k - 1 and builds step k + 1 (the pipelining of 
 
 Per sequence, as on the serialized route (`decode.ActiveSequence`): its own token choice
 (`batch_choice`: its sampling, processors, logit bias and logprobs; plain greedy rows by one
-batched argmax), its EOS set and `max_tokens`.
+batched argmax), its EOS set and `max_tokens`; a row continuing a prompt with media, its own
+positions (`BatchSequence.rope_delta`, `multimodal.joining`).
 
 Constrained rows (a job with a `grammar`: each row its own `GrammarMatcher`) are chosen after
 the previous step is read, their masks computed while the device runs the step
