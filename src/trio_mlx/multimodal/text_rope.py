@@ -138,19 +138,25 @@ def _embeddings(language_model: Any) -> list[Any]:
 
 
 def _agrees(embedding: Any, head_dim: int, traditional: bool) -> bool:
-    """Whether the fused rope rotates as `embedding` does at equal positions (float32)."""
+    """Whether the fused rope rotates as `embedding` does at equal positions (float32): one row,
+    then two rows at their own offsets with per-row deltas (as a batch with a row continuing a
+    prompt with media calls it)."""
     switch = TextRoPE()
     switch.enabled = True
     fused = TextPositionRoPE(embedding, switch, traditional=traditional)
     key = mx.random.key(0)
-    q = mx.random.normal((1, 2, 4, head_dim), key=key)
-    k = mx.random.normal((1, 1, 4, head_dim), key=mx.random.split(key)[0])
-    for start in (0, 7, 4093):
-        line = mx.arange(start, start + 4, dtype=mx.int32)[None]
-        positions = mx.broadcast_to(line[None], (3, 1, 4))
-        want_q, want_k = embedding.apply_rotary(q, k, positions, unsqueeze_dim=1)
-        with switch.text_positions():
-            got_q, got_k = fused.apply_rotary(q, k, positions, unsqueeze_dim=1)
+    q = mx.random.normal((2, 2, 4, head_dim), key=key)
+    k = mx.random.normal((2, 1, 4, head_dim), key=mx.random.split(key)[0])
+    steps = mx.arange(4, dtype=mx.int32)
+    cases: list[tuple[Any, Any, int]] = [(mx.array([s]), None, 1) for s in (0, 7, 4093)]
+    cases.append((mx.array([30, 12]), mx.array([-20, 5], dtype=mx.int32), 2))
+    for starts, deltas, rows in cases:
+        shifted = starts if deltas is None else starts + deltas
+        want_ids = mx.broadcast_to((shifted[:, None] + steps)[None], (3, rows, 4))
+        want_q, want_k = embedding.apply_rotary(q[:rows], k[:rows], want_ids, unsqueeze_dim=1)
+        ids = mx.broadcast_to((starts[:, None] + steps)[None], (3, rows, 4))
+        with switch.text_positions(deltas):
+            got_q, got_k = fused.apply_rotary(q[:rows], k[:rows], ids, unsqueeze_dim=1)
         worst = max(
             float(mx.abs(want_q.astype(mx.float32) - got_q).max()),
             float(mx.abs(want_k.astype(mx.float32) - got_k).max()),
