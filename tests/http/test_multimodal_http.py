@@ -295,3 +295,60 @@ async def test_an_image_with_a_required_tool_gets_a_call(vlm_client: openai.Asyn
         assert [c.function.name for c in calls] == ["describe"]  # type: ignore[union-attr]
         arguments = calls[0].function.arguments  # type: ignore[union-attr]
         assert arguments in ('{"colour": "red"}', '{"colour": "blue"}')
+
+
+async def test_images_and_texts_under_load_with_clients_leaving(tiny_vlm_dir: Path) -> None:
+    """24 streams at a batching vision server (6 slots, the rest queued): every other one with
+    an image, greedy or sampled, some clients gone after a few chunks. All 200, nothing fails,
+    the image requests join the batch, and the engine ends idle with nothing held."""
+    import random
+
+    from servers import eventually
+
+    statuses: list[int] = []
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        rng = random.Random(i)
+        messages: Any = (
+            image_message(data_url(png(i % 5)))
+            if i % 2 == 0
+            else [{"role": "user", "content": f"Tell me story number {i}."}]
+        )
+        body = {
+            "model": "vlm",
+            "messages": messages,
+            "max_tokens": rng.randint(4, 40),
+            "stream": True,
+            "temperature": rng.choice([0.0, 0.8]),
+        }
+        leave_after = rng.choice([None, None, 2, 5])
+        chunks = 0
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            statuses.append(response.status_code)
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks += 1
+                    if leave_after is not None and chunks >= leave_after:
+                        break  # the client goes away mid-stream
+
+    async with running_server(
+        tiny_vlm_dir,
+        served_model_names=("vlm",),
+        max_num_seqs=6,
+        admission="wait",
+        max_waiting=32,
+    ) as server:
+        engine = server.state.engine
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            with trio.fail_after(240):
+                async with trio.open_nursery() as nursery:
+                    for i in range(24):
+                        nursery.start_soon(one, i, client)
+        await eventually(lambda: not engine.get_stats()["runner"]["live_sequences"])
+        stats = engine.get_stats()
+    assert statuses == [200] * 24
+    runner = stats["runner"]
+    assert runner["failed"] == 0 and runner["media_joined"] >= 6
+    assert stats["running"] == stats["waiting"] == 0 and stats["slot_holders"] == []
+    assert runner["requests_in_flight"] == 0 and runner["media_sequences"] == 0
+    assert stats["kv_reserved_bytes"] == 0
