@@ -3,7 +3,9 @@ settings they carry (tiny fp32 model): seeded random mixes of prompt lengths, `m
 greedy and seeded sampling (temperature, top-p, top-k, min-p), penalties, logit biases, stop
 strings and logprobs, with and without `max_kv_size`, each request run alone and then all started
 at one step boundary on the same engine: the same tokens, finish reasons and text, and logprobs
-equal within float rounding. Bounded: 2 mixes x 2 windows of 6 requests, 24 tokens at most."""
+equal within float rounding; and on the tiny vision model, mixes of requests with and without an
+image (some with an output format). Bounded: 2 mixes x 2 windows of 6 requests and 2 mixes of 6
+on the vision model, 24 tokens at most."""
 
 from __future__ import annotations
 
@@ -100,6 +102,55 @@ async def test_each_request_gives_alone_what_it_gives_with_any_companions(
             await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == len(mix))
             hold.open()
         assert max(int(n) for n in engine.get_stats()["runner"]["batch_sizes"]) >= 4
+    assert [summary(o) for o in together] == [summary(o) for o in alone]
+    for a, b in zip(alone, together, strict=True):
+        assert logprob_values(a) == pytest.approx(logprob_values(b), abs=1e-4)
+
+
+def media_mix(seed: int, count: int) -> list[tuple[Any, dict[str, Any]]]:
+    """`count` (messages, options) pairs on the tiny vision model: about half with an image (one
+    of a few sizes), the options drawn as `request_mix` draws them, some with an output format."""
+    from media_samples import data_url, image_message, png
+    from trio_mlx.structured.formats import OutputFormat
+
+    rng = random.Random(seed)
+    mix = []
+    for i, (prompt, options) in enumerate(request_mix(seed, count)):
+        if rng.random() < 0.5:
+            size = rng.choice([(56, 56), (84, 56), (112, 112)])
+            messages: Any = image_message(data_url(png(i, size)), prompt)
+        else:
+            messages = [{"role": "user", "content": prompt}]
+        if rng.random() < 0.2:
+            options = {**options, "output_format": OutputFormat.regex("(yes|no)[a-z ]{0,12}")}
+            options.pop("stop", None)
+        mix.append((messages, options))
+    return mix
+
+
+@pytest.mark.parametrize("seed", [5, 17])
+async def test_image_and_text_requests_give_alone_what_they_give_together(
+    tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    mix = media_mix(seed, 6)
+    async with trio_mlx.open_engine(
+        tiny_vlm_dir, max_num_seqs=8, cache_memory_bytes=0, admission="wait", max_waiting=8
+    ) as engine:
+        alone = [await engine.chat(messages, **options) for messages, options in mix]
+        hold = hold_the_runner_intake(monkeypatch)
+        together: list[Any] = [None] * len(mix)
+
+        async def one(i: int) -> None:
+            messages, options = mix[i]
+            together[i] = await engine.chat(messages, **options)
+
+        hold.close()
+        async with trio.open_nursery() as nursery:
+            for i in range(len(mix)):
+                nursery.start_soon(one, i)
+            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == len(mix))
+            hold.open()
+        assert engine.get_stats()["runner"]["media_joined"] > 0
     assert [summary(o) for o in together] == [summary(o) for o in alone]
     for a, b in zip(alone, together, strict=True):
         assert logprob_values(a) == pytest.approx(logprob_values(b), abs=1e-4)
