@@ -4,8 +4,8 @@ greedy and seeded sampling (temperature, top-p, top-k, min-p), penalties, logit 
 strings and logprobs, with and without `max_kv_size`, each request run alone and then all started
 at one step boundary on the same engine: the same tokens, finish reasons and text, and logprobs
 equal within float rounding; and on the tiny vision model, mixes of requests with and without an
-image (some with an output format). Bounded: 2 mixes x 2 windows of 6 requests and 2 mixes of 6
-on the vision model, 24 tokens at most."""
+image (some with an output format). Bounded: 2 mixes x 2 windows of 6 requests and 3 mixes of 6
+on the vision model (one with a window), 24 tokens at most."""
 
 from __future__ import annotations
 
@@ -128,13 +128,18 @@ def media_mix(seed: int, count: int) -> list[tuple[Any, dict[str, Any]]]:
     return mix
 
 
-@pytest.mark.parametrize("seed", [5, 17])
+@pytest.mark.parametrize(("seed", "max_kv_size"), [(5, None), (17, None), (23, 40)])
 async def test_image_and_text_requests_give_alone_what_they_give_together(
-    tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+    tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch, seed: int, max_kv_size: int | None
 ) -> None:
     mix = media_mix(seed, 6)
     async with trio_mlx.open_engine(
-        tiny_vlm_dir, max_num_seqs=8, cache_memory_bytes=0, admission="wait", max_waiting=8
+        tiny_vlm_dir,
+        max_num_seqs=8,
+        max_kv_size=max_kv_size,
+        cache_memory_bytes=0,
+        admission="wait",
+        max_waiting=8,
     ) as engine:
         alone = [await engine.chat(messages, **options) for messages, options in mix]
         hold = hold_the_runner_intake(monkeypatch)
