@@ -1,10 +1,11 @@
-"""A vision-language model on the batched route (`max_num_seqs > 1`), on the tiny random Qwen2-VL
-and Qwen2.5-VL (tests/tiny_vlm.py): text-only requests decode together in the batch, each as it
-decodes alone; a request with an image or a video takes its vision step beside the batch, then
-prefills and decodes in it (`multimodal/joining.py`), every request's tokens what it gives
-alone (several images at once, a video, a second turn from the prefix cache); where a request
-cannot join (`media_lane`'s reasons) it decodes beside the batch, with the same tokens; an image
-request's abort leaves the batch's requests as they were."""
+"""A vision-language model on the batched route (`max_num_seqs > 1`), on the tiny random Qwen2-VL,
+Qwen2.5-VL and LLaVA (tests/tiny_vlm.py): text-only requests decode together in the batch, each
+as it decodes alone; a request with an image or a video takes its vision step beside the batch,
+then prefills and decodes in it (`multimodal/joining.py`), every request's tokens what it gives
+alone (several images at once, a video, a second turn from the prefix cache; LLaVA, a family
+without MRoPE, as well as the MRoPE ones); where a request cannot join (`media_lane`'s reasons)
+it decodes beside the batch, with the same tokens; an image request's abort leaves the batch's
+requests as they were."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ IMAGE = image_message(data_url(png(0)))
 @pytest.fixture(scope="module")
 def qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("models") / "q25", model_type="qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "llava", model_type="llava")
 
 
 async def alone(model_dir: Path, conversations: list[Any]) -> list[list[int]]:
@@ -111,6 +117,44 @@ async def test_an_image_request_joins_the_batch_and_decodes_as_alone(
     assert max(int(size) for size in stats["batch_sizes"]) == 3  # the image with the texts
     # in the lane only its vision step: it prefilled and decoded in the batch
     assert stats["media_steps"] == 1
+
+
+async def test_an_image_request_on_a_model_without_mrope_joins_the_batch_as_alone(
+    llava_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LLaVA: its language model places every token at its cache offset (no rope delta, no
+    fused rope), so the batch's plain forward pass places the image request's row right."""
+    stats = await image_with_texts(llava_dir, monkeypatch)
+    assert stats["media_joined"] == 1
+    assert max(int(size) for size in stats["batch_sizes"]) == 3  # the image with the texts
+    assert stats["media_steps"] == 1  # only its vision step in the lane
+
+
+def test_which_models_let_a_media_request_join(
+    tiny_vlm_dir: Path, llava_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`can_join`: a model without MRoPE, or an MRoPE model with the fused rope; never an MRoPE
+    model without it, nor a prompt that ends with a media token."""
+    from types import SimpleNamespace
+
+    from trio_mlx.engine.loading import load_model
+    from trio_mlx.multimodal.joining import can_join
+    from trio_mlx.multimodal.loading import TextView
+
+    def joins(loaded: Any, prompt: tuple[int, ...]) -> bool:
+        job: Any = SimpleNamespace(prompt_tokens=prompt)
+        return can_join(job, loaded.multimodal, loaded.model)
+
+    llava = load_model(llava_dir)
+    image_token = llava.multimodal.processing.image_token_id
+    assert not llava.model.places_rows  # no fused rope: it needs none
+    assert joins(llava, (1, image_token, 5))
+    assert not joins(llava, (1, 5, image_token))
+    qwen = load_model(tiny_vlm_dir)
+    assert joins(qwen, (1, 5))
+    monkeypatch.setattr(TextView, "places_rows", property(lambda self: False))
+    assert not joins(qwen, (1, 5))  # MRoPE without the fused rope stays in the lane
+    assert joins(llava, (1, image_token, 5))
 
 
 async def test_an_image_request_that_cannot_join_decodes_beside_the_batch(
@@ -203,8 +247,20 @@ async def test_a_second_turn_about_the_image_starts_from_the_cached_first(
 async def test_an_image_request_aborted_mid_way_leaves_the_batch_as_it_was(
     tiny_vlm_dir: Path,
 ) -> None:
-    expected = await alone(tiny_vlm_dir, TEXTS)
-    async with trio_mlx.open_engine(tiny_vlm_dir, max_num_seqs=4) as engine:
+    await aborted_mid_decode(tiny_vlm_dir)
+
+
+async def test_an_image_request_aborted_in_the_batch_of_a_model_without_mrope(
+    llava_dir: Path,
+) -> None:
+    assert await aborted_mid_decode(llava_dir) == 1
+
+
+async def aborted_mid_decode(model_dir: Path) -> int:
+    """An image request beside two text requests, aborted after two tokens: the texts give
+    their tokens alone, the engine ends idle. How many media requests joined the batch."""
+    expected = await alone(model_dir, TEXTS)
+    async with trio_mlx.open_engine(model_dir, max_num_seqs=4) as engine:
         outputs: list[list[int]] = [[], []]
         image_tokens: list[int] = []
 
@@ -227,9 +283,11 @@ async def test_an_image_request_aborted_mid_way_leaves_the_batch_as_it_was(
         assert 2 <= len(image_tokens) < 64
         await eventually(lambda: engine.get_stats()["runner"]["aborted"] == 1)
         await assert_idle(engine)
+        joined = int(engine.get_stats()["runner"]["media_joined"])
         # the engine is free: the same image again, whole
         again = await engine.chat(IMAGE, **{**GREEDY, "max_tokens": 4})
         assert again.tokens[:2] == image_tokens[:2]
+    return joined
 
 
 async def test_a_vision_model_loaded_by_the_caller_serves_a_batch(tiny_vlm_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""A tiny randomly initialised Qwen2-VL or Qwen2.5-VL, built offline: the one recipe tests,
+"""A tiny randomly initialised Qwen2-VL, Qwen2.5-VL or LLaVA, built offline: the one recipe tests,
 benchmarks and the README use for a vision-language model.
 
 - weights: mlx-vlm's own `qwen2_vl.Model` (or `qwen2_5_vl.Model`), scaled down (text hidden 64,
@@ -13,8 +13,15 @@ benchmarks and the README use for a vision-language model.
 - image processor: `preprocessor_config.json` for mlx-vlm's numpy Qwen image processor, mean/std
   0.5, small `min_pixels`/`max_pixels` so that a 56x56 image is 4 image tokens.
 
-`python tests/tiny_vlm.py OUT_DIR [qwen2_5_vl]` writes one (for a benchmark or to try the README's
-examples).
+LLaVA (`model_type="llava"`: a family without MRoPE, its tokens at the cache offset as a text
+model's) is built the same way: mlx-vlm's `llava.Model` (llama text model of the same tiny shape,
+a CLIP vision tower of 2 layers, width 32, patch 14 over 56x56 images: 16 image tokens), the same
+SmolLM2 tokenizer plus `<image>` (id 49152) and a ChatML template, and transformers-format
+processor files (`preprocessor_config.json` for a `CLIPImageProcessor`, `processor_config.json`
+for the `LlavaProcessor` mlx-vlm loads).
+
+`python tests/tiny_vlm.py OUT_DIR [qwen2_5_vl|llava]` writes one (for a benchmark or to try the
+README's examples).
 """
 
 from __future__ import annotations
@@ -135,7 +142,13 @@ def tiny_vlm_config(
     }
 
 
-def _write_tokenizer(out_dir: Path) -> None:
+def _write_tokenizer(
+    out_dir: Path,
+    tokens: tuple[str, ...] = VISION_TOKENS,
+    ids: tuple[int, ...] = (VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID),
+    template: str = CHAT_TEMPLATE,
+) -> None:
+    """SmolLM2's tokenizer plus `tokens` (as `ids`), `template` its chat template."""
     from transformers import AutoTokenizer
 
     copied = os.environ.get("TRIO_MLX_BENCH_TOKENIZER")  # a host without the GGUF (benchmarks)
@@ -147,13 +160,13 @@ def _write_tokenizer(out_dir: Path) -> None:
         _weights, metadata = mx.load(str(default_gguf_path()), return_metadata=True)
         write_tokenizer_files(metadata, out_dir, source="SmolLM2 GGUF")
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    ids = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
-    assert ids == [VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID], ids
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    added = tokenizer.convert_tokens_to_ids(list(tokens))
+    assert added == list(ids), added
+    tokenizer.chat_template = template
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.save_pretrained(str(out_dir))
-    (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    (out_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}))
 
 
 def _write_image_processor(
@@ -186,6 +199,98 @@ def _write_image_processor(
     (out_dir / "preprocessor_config.json").write_text(json.dumps(settings, indent=2))
 
 
+LLAVA_IMAGE_TOKEN, LLAVA_IMAGE_TOKEN_ID = "<image>", 49152
+#: the tiny LLaVA's images: resized and cropped to this square (patch 14: 4x4 patches)
+LLAVA_IMAGE_SIZE = 56
+
+#: a ChatML template with LLaVA's `<image>` placeholder before the user's text
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<image>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_llava_config() -> dict[str, Any]:
+    """config.json of the tiny LLaVA: a llama text model of `TEXT_CONFIG`'s shape (plain rope)
+    and a CLIP tower; the image features of the tower's second-to-last layer, CLS dropped."""
+    text = {
+        key: TEXT_CONFIG[key]
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+            "rope_theta",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+        )
+    }
+    text |= {"model_type": "llama", "vocab_size": LLAVA_IMAGE_TOKEN_ID + 1}
+    vision = {
+        "model_type": "clip_vision_model",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "image_size": LLAVA_IMAGE_SIZE,
+        "patch_size": 14,
+        "projection_dim": 32,
+        "num_channels": 3,
+        "layer_norm_eps": 1e-5,
+    }
+    return {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_index": LLAVA_IMAGE_TOKEN_ID,
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "vocab_size": text["vocab_size"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def _write_llava_processor(out_dir: Path) -> None:
+    """transformers' LLaVA processor files: a `CLIPImageProcessor` (resize and crop to 56x56,
+    mean/std 0.5) and the processor's settings (16 image tokens: 4x4 patches + CLS - CLS)."""
+    size = LLAVA_IMAGE_SIZE
+    image = {
+        "image_processor_type": "CLIPImageProcessor",
+        "processor_class": "LlavaProcessor",
+        "do_resize": True,
+        "size": {"shortest_edge": size},
+        "resample": 3,
+        "do_center_crop": True,
+        "crop_size": {"height": size, "width": size},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True,
+    }
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    processor = {
+        "processor_class": "LlavaProcessor",
+        "image_token": LLAVA_IMAGE_TOKEN,
+        "patch_size": 14,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,
+    }
+    (out_dir / "processor_config.json").write_text(json.dumps(processor, indent=2))
+
+
 def build_tiny_vlm(
     out_dir: Path,
     *,
@@ -197,7 +302,8 @@ def build_tiny_vlm(
     dtype: Any = None,
 ) -> Path:
     """Write a tiny Qwen2-VL directory (config, random weights, tokenizer, image processor).
-    `model_type` ("qwen2_vl", "qwen2_5_vl": its tiny tower), `text`, `vision`, `max_pixels` and
+    `model_type` ("qwen2_vl", "qwen2_5_vl": its tiny tower; "llava": the tiny LLaVA, whose
+    shape `text` / `vision` / `max_pixels` do not change), `text`, `vision`, `max_pixels` and
     `dtype` build other shapes with the same tokenizer (benchmarks: `bench/multimodal.py`)."""
     import importlib
 
@@ -205,9 +311,16 @@ def build_tiny_vlm(
 
     arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(out_dir)
-    _write_image_processor(out_dir, max_pixels)
-    config = tiny_vlm_config(text, vision, model_type)
+    if model_type == "llava":
+        _write_tokenizer(
+            out_dir, (LLAVA_IMAGE_TOKEN,), (LLAVA_IMAGE_TOKEN_ID,), LLAVA_CHAT_TEMPLATE
+        )
+        _write_llava_processor(out_dir)
+        config = tiny_llava_config()
+    else:
+        _write_tokenizer(out_dir)
+        _write_image_processor(out_dir, max_pixels)
+        config = tiny_vlm_config(text, vision, model_type)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     mx.random.seed(seed)
     settings = json.loads(json.dumps(config))
@@ -222,6 +335,8 @@ def build_tiny_vlm(
         if name.endswith(
             ("o_proj.weight", "down_proj.weight", "mlp.fc2.weight", "attn.proj.weight")
         ):
+            value = value * 3.0
+        if model_type == "llava" and name.endswith("out_proj.weight"):  # CLIP's attention
             value = value * 3.0
         params[name] = value if dtype is None else value.astype(dtype)
     mx.save_safetensors(str(out_dir / "model.safetensors"), params)

@@ -2,14 +2,17 @@
 
 On a vision-language model with `max_num_seqs > 1`, text-only requests go through the language
 model (`multimodal.loading.TextView`) and decode together in the batch like a text model's. A
-request with images or video takes its vision step here, beside the batch; on a model whose text
-positions take the fused rope (the MRoPE family: `multimodal.text_rope`) it then prefills and
+request with images or video takes its vision step here, beside the batch, and then prefills and
 decodes in the batch (`multimodal.joining`: a `JoiningMediaSequence` here for its vision step,
-then `BatchDecoder.admit`). Otherwise it stays here to the end: on a model without the fused
-rope, the batch's one forward pass cannot place a row at `cache offset + rope delta` (a delta of
-its own: the media's positions are compressed into a grid, so it is negative; `TextView` gives
-every row the delta 0); a prompt that ends with a media token has no text token to join with; a
-request mlx-vlm's drafter serves runs mlx-vlm's own loop.
+then `BatchDecoder.admit`) when the batch's forward pass places its tokens where its own decode
+would: on a language model without MRoPE (LLaVA's llama, ...: every token at its cache offset,
+no rope delta), or on an MRoPE model (the Qwen-VL family) whose text positions take the fused
+rope (`multimodal.text_rope`: rows at `cache offset + rope delta`). Otherwise it stays here to
+the end: on an MRoPE model without the fused rope, the batch's one forward pass cannot place a
+row at `cache offset + rope delta` (a delta of its own: the media's positions are compressed into
+a grid, so it is negative; `TextView` gives every row the delta 0); a prompt that ends with a
+media token has no text token to join with; a request mlx-vlm's drafter serves runs mlx-vlm's
+own loop.
 
 So each of those is a `MultimodalSequence` with its own KV cache, stepped here once per loop of
 the batched route, after the batch's decode step and before its prefill chunk, exactly as the

@@ -3,12 +3,13 @@
 On the batched route a request with images or video used to step beside the batch for its whole
 life (`actors.media_lane`): a forward pass of its own every step, however many such requests ran.
 Two things kept it out of the batch: its prompt goes through the language model as merged input
-embeddings with MRoPE position ids of three axes, and the tokens after its prompt sit at
-`cache offset + rope delta`, a delta of its own. Neither needs a forward pass of its own: its
-prompt's chunks can go through `PromptEmbeddingModel` (the merged embeddings and the model's own
-positions) on its own cache like any prefill chunk, and every position after its prompt is a
-text position, which the fused rope places at any per-row delta (`text_rope`, `TextView(...,
-row_deltas=)`). So such a request:
+embeddings (on an MRoPE model, the Qwen-VL family, with position ids of three axes), and on an
+MRoPE model the tokens after its prompt sit at `cache offset + rope delta`, a delta of its own.
+Neither needs a forward pass of its own: its prompt's chunks can go through
+`PromptEmbeddingModel` (the merged embeddings and the model's own positions) on its own cache
+like any prefill chunk, and every position after its prompt is a text position, which the fused
+rope places at any per-row delta (`text_rope`, `TextView(..., row_deltas=)`). So such a
+request:
 
 1. takes its vision step in the media lane (the tower, or its features from the
    `VisionFeatureCache`: a step of its own, so an abort takes effect right after it): a
@@ -18,12 +19,21 @@ row_deltas=)`). So such a request:
    batch's one budget and in admission order (never in a group pass), joins when ready, its last
    prompt token its first input, and decodes in the batch's one forward pass from there.
 
+A language model without MRoPE (LLaVA's llama, and any other whose module has no
+`_rope_deltas`) never had the second obstacle: it places every token, the prompt's merged
+embeddings included, at its cache offset, as a text model does, so a row continuing such a prompt
+has no rope delta (`rope_delta` stays 0) and the batch's plain forward pass places it exactly
+where the lane's own decode did (`PromptEmbeddingModel` called the same language model at the
+same cache offsets). Such a request joins the same way.
+
 Its prefix-cache keys are its prompt in cache-key ids (`BatchSequence.key_tokens`: media
 positions in ids of the media's hash), so snapshots are stored and found as the lane's are.
-Which requests join (`can_join`): on a model whose text positions take the fused rope (an MRoPE
-model where it agrees with mlx-vlm's rotation), a prompt that ends with a text token (its last
-token is fed as text), a cache the batch can merge; others stay in the lane to the end, as do
-requests mlx-vlm's drafter serves.
+Which requests join (`can_join`): on a language model without MRoPE (no rope delta), or on an
+MRoPE model whose text positions take the fused rope (where it agrees with mlx-vlm's rotation:
+`TextView.places_rows`), a prompt that ends with a text token (its last token is fed as text), a
+cache the batch can merge. Others stay in the lane to the end: on an MRoPE model without the
+fused rope the batch cannot place a row at `cache offset + rope delta`; requests mlx-vlm's
+drafter serves stay there too.
 """
 
 from __future__ import annotations
@@ -40,10 +50,12 @@ from trio_mlx.multimodal.vision import VisionFeatureCache, embed_prompt
 
 def can_join(job: MultimodalJob, vlm: VisionLanguageModel, model: Any) -> bool:
     """Whether `job` can join the decode batch once prefilled (module docstring), before its
-    cache is known; `model` is the batch's (the VLM's `TextView`)."""
+    cache is known; `model` is the batch's (the VLM's `TextView`): its language model places
+    the row right if it is not an MRoPE model (no rope delta) or takes the fused rope."""
     media = {vlm.processing.image_token_id, vlm.processing.video_token_id}
+    mrope = hasattr(getattr(model, "language_model", None), "_rope_deltas")
     return (
-        bool(getattr(model, "places_rows", False))
+        (not mrope or bool(getattr(model, "places_rows", False)))
         and bool(job.prompt_tokens)
         and job.prompt_tokens[-1] not in media
     )

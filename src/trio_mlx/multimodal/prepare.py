@@ -169,6 +169,18 @@ def _per_medium_hashes(arrays: Mapping[str, Any]) -> list[int]:
     return hashes
 
 
+def template_owner(processor: Any) -> Any:
+    """What renders the chat template: the processor, or its tokenizer where only the tokenizer
+    has one (mlx-vlm's own LLaVA processor is built without the directory's template, which it
+    puts on the tokenizer; mlx-vlm's prompt utilities fall back to the tokenizer the same way)."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    if getattr(processor, "chat_template", None) is None and (
+        getattr(tokenizer, "chat_template", None) is not None
+    ):
+        return tokenizer
+    return processor
+
+
 def render_and_process(
     vlm: VisionProcessing,
     preparer: RequestPreparer,
@@ -202,7 +214,7 @@ def render_and_process(
     if tools:
         kwargs["tools"] = list(tools)
     try:
-        prompt = processor.apply_chat_template(
+        prompt = template_owner(processor).apply_chat_template(
             templated, tokenize=False, add_generation_prompt=True, **kwargs
         )
     except Exception as exc:
@@ -211,9 +223,11 @@ def render_and_process(
         ) from exc
     with preparer._lock:
         try:
-            out = processor(
-                text=[prompt], images=images or None, videos=videos or None, padding=False
-            )
+            # no keywords but the media it has (one prompt is never padded): a processor
+            # without video support (mlx-vlm's LLaVA) hands the keywords it does not know to
+            # its image processor, which refuses them
+            media: dict[str, Any] = {"videos": videos} if videos else {}
+            out = processor(text=[prompt], images=images or None, **media)
         except Exception as exc:
             param = refs[0].param if refs else "messages"
             raise media_error(param, f"the model's processor refused the media: {exc}") from exc
