@@ -374,3 +374,23 @@ async def test_an_image_request_aborted_while_it_prefills_in_the_batch(tiny_vlm_
         assert text == expected
         await eventually(lambda: engine.get_stats()["runner"]["aborted"] == 1)
         await assert_idle(engine)
+
+
+async def test_a_lone_image_row_decodes_without_the_draft_model(llava_dir: Path) -> None:
+    """With a draft model, a lone row speculates; a row continuing a prompt with media does
+    not (the text draft never saw the image, and the row's fed prompt is cache keys, not
+    token ids: it failed the request), and gives its tokens alone; a text request after it
+    still speculates."""
+    async with trio_mlx.open_engine(llava_dir, max_num_seqs=1) as engine:
+        expected = (await engine.chat(IMAGE, **GREEDY)).tokens
+    async with trio_mlx.open_engine(
+        llava_dir, max_num_seqs=4, draft_model=str(llava_dir), num_draft_tokens=3
+    ) as engine:
+        image = await engine.chat(IMAGE, **GREEDY)
+        stats = engine.get_stats()
+        assert stats["runner"]["media_joined"] == 1
+        assert stats["speculative"]["speculative_steps"] == 0
+        assert image.tokens == expected
+        await engine.chat(TEXTS[0], **GREEDY)
+        assert engine.get_stats()["speculative"]["speculative_steps"] > 0
+        await assert_idle(engine)

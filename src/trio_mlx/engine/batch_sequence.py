@@ -53,6 +53,8 @@ class BatchSequence:
         #: the prompt as the prefix cache keys it (a prompt with media: its media positions in
         #: ids of the media's hash, `multimodal.prepare`); the prompt's own tokens otherwise
         self.key_tokens = key_tokens if key_tokens is not None else job.prompt_tokens
+        #: a prompt with media (its own key tokens): what a text draft model never saw
+        self.media = key_tokens is not None
         #: the shift of this row's positions past its prompt (a prompt with media on an MRoPE
         #: model: its rope delta, set once its media are encoded; `multimodal.joining`)
         self.rope_delta = 0

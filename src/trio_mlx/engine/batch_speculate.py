@@ -22,13 +22,14 @@ if TYPE_CHECKING:
 
 
 def can_speculate(rows: Sequence[BatchSequence], *, step_queued: bool) -> bool:
-    """One live row among `rows`, without processors or a grammar, past its first token (a step
-    is queued, `step_queued`, or its next input is `pending`)."""
+    """One live row among `rows`, without processors or a grammar, not continuing a prompt with
+    media, past its first token (a step is queued, `step_queued`, or its next input is
+    `pending`)."""
     live = [s for s in rows if not s.removed]
     if len(live) != 1 or live[0].processors or live[0].grammar is not None:
         return False
-    if live[0].rope_delta:  # positions of its own (a prompt with media): the draft has none
-        return False
+    if live[0].media:  # a prompt with media: the draft model never saw it, and its fed tokens
+        return False  # are cache keys (`BatchSequence.key_tokens`), not token ids
     return step_queued or live[0].pending is not None
 
 
