@@ -394,3 +394,22 @@ async def test_a_lone_image_row_decodes_without_the_draft_model(llava_dir: Path)
         await engine.chat(TEXTS[0], **GREEDY)
         assert engine.get_stats()["speculative"]["speculative_steps"] > 0
         await assert_idle(engine)
+
+
+async def test_a_second_turn_on_llava_reuses_the_image_features(llava_dir: Path) -> None:
+    """mlx-vlm's LLaVA has no call that computes its image features alone: they are caught on
+    their way into the first turn's embeddings, so the second turn about the same image does not
+    encode it again, and answers as a fresh engine does."""
+    turn: list[Any] = [
+        *IMAGE,
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": "And what else?"},
+    ]
+    async with trio_mlx.open_engine(llava_dir, cache_memory_bytes=0) as engine:
+        await engine.chat(IMAGE, **GREEDY)
+        second = await engine.chat(turn, **GREEDY)
+        vision = engine.get_stats()["vision_cache"]
+    assert (vision["encoded"], vision["hits"], vision["entries"]) == (1, 1, 1)
+    async with trio_mlx.open_engine(llava_dir, cache_memory_bytes=0) as engine:
+        fresh = await engine.chat(turn, **GREEDY)
+    assert second.tokens == fresh.tokens

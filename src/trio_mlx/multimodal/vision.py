@@ -6,7 +6,8 @@ second turn of a conversation about an image, a retry, or the same image sent ag
 encode it again. Features are cached where the model can take them back
 (`get_input_embeddings(..., cached_image_features=)`, as mlx-vlm's own cache does) and mlx-vlm
 gives a way to compute them alone (`encode_images`, `encode_image`, or a Qwen-style
-`vision_tower(pixels, grid)`); other models encode every time.
+`vision_tower(pixels, grid)`) or they can be caught on their way into the embeddings (the LLaVA
+family's `_merge_input_ids_with_image_features`); other models encode every time.
 """
 
 from __future__ import annotations
@@ -122,6 +123,33 @@ def _compute_features(model: Any, pixels: Any, extras: dict[str, Any]) -> Any:
     return None
 
 
+#: the method LLaVA-style models merge their projected image features through (mlx-vlm), whose
+#: first argument is what `get_input_embeddings(cached_image_features=)` takes back
+_MERGE = "_merge_input_ids_with_image_features"
+
+
+def _capture_merged_features(model: Any) -> list[Any]:
+    """Where a model has no call that computes its image features alone but merges them through
+    `_MERGE` (mlx-vlm's LLaVA family): a list that receives the features the next
+    `get_input_embeddings` merges (an instance attribute over the method, removed by
+    `_release_merged_features`). Elsewhere an empty list that stays so."""
+    merge = getattr(model, _MERGE, None)
+    captured: list[Any] = []
+    if merge is None or not callable(merge):
+        return captured
+
+    def capture(image_features: Any, *args: Any, **kwargs: Any) -> Any:
+        captured.append(image_features)
+        return merge(image_features, *args, **kwargs)
+
+    object.__setattr__(model, _MERGE, capture)
+    return captured
+
+
+def _release_merged_features(model: Any) -> None:
+    vars(model).pop(_MERGE, None)
+
+
 def embed_prompt(
     vlm: VisionLanguageModel,
     prompt_tokens: tuple[int, ...],
@@ -137,6 +165,7 @@ def embed_prompt(
         if pixels is not None:
             extras["pixel_values_videos"] = pixels
     input_ids = mx.array([list(prompt_tokens)], dtype=mx.int32)
+    captured: list[Any] = []
     if pixels is not None and _takes_cached_features(model):
         features = cache.get(vision.media_key)
         if features is None:
@@ -147,9 +176,18 @@ def embed_prompt(
                 cache.put(vision.media_key, features)
         if features is not None:
             extras["cached_image_features"] = features
+        else:  # no call computes them alone: caught on their way into the embeddings
+            cache.counters.encoded += 1
+            captured = _capture_merged_features(model)
     else:
         cache.counters.encoded += 1
-    result = model.get_input_embeddings(input_ids, pixels, **extras)
+    try:
+        result = model.get_input_embeddings(input_ids, pixels, **extras)
+    finally:
+        _release_merged_features(model)
+    if len(captured) == 1:
+        mx.eval(captured[0])
+        cache.put(vision.media_key, captured[0])
     embeds = result.inputs_embeds
     position_ids = getattr(result, "position_ids", None)
     rope_deltas = getattr(result, "rope_deltas", None)
