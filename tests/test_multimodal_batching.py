@@ -413,3 +413,25 @@ async def test_a_second_turn_on_llava_reuses_the_image_features(llava_dir: Path)
     async with trio_mlx.open_engine(llava_dir, cache_memory_bytes=0) as engine:
         fresh = await engine.chat(turn, **GREEDY)
     assert second.tokens == fresh.tokens
+
+
+async def test_caught_features_a_model_would_not_take_back_are_not_cached(
+    llava_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose `cached_image_features` is something else than what it merges (simulated:
+    LLaVA taking them back doubled) gets no cache entry: each turn encodes again."""
+    from mlx_vlm.models.llava.llava import Model
+
+    original = Model.get_input_embeddings
+
+    def doubling(self: Any, input_ids: Any = None, pixel_values: Any = None, **kw: Any) -> Any:
+        if kw.get("cached_image_features") is not None:
+            kw["cached_image_features"] = kw["cached_image_features"] * 2
+        return original(self, input_ids, pixel_values, **kw)
+
+    monkeypatch.setattr(Model, "get_input_embeddings", doubling)
+    async with trio_mlx.open_engine(llava_dir, cache_memory_bytes=0) as engine:
+        await engine.chat(IMAGE, **GREEDY)
+        await engine.chat(IMAGE, **GREEDY)
+        vision = engine.get_stats()["vision_cache"]
+    assert (vision["encoded"], vision["hits"], vision["entries"]) == (2, 0, 0)

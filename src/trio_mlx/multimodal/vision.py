@@ -132,7 +132,8 @@ def _capture_merged_features(model: Any) -> list[Any]:
     """Where a model has no call that computes its image features alone but merges them through
     `_MERGE` (mlx-vlm's LLaVA family): a list that receives the features the next
     `get_input_embeddings` merges (an instance attribute over the method, removed by
-    `_release_merged_features`). Elsewhere an empty list that stays so."""
+    `_release_merged_features`); they are cached only where they give the same embeddings back
+    (`_gives_back`). Elsewhere an empty list that stays so."""
     merge = getattr(model, _MERGE, None)
     captured: list[Any] = []
     if merge is None or not callable(merge):
@@ -148,6 +149,20 @@ def _capture_merged_features(model: Any) -> list[Any]:
 
 def _release_merged_features(model: Any) -> None:
     vars(model).pop(_MERGE, None)
+
+
+def _gives_back(
+    model: Any, input_ids: Any, pixels: Any, extras: dict[str, Any], features: Any, result: Any
+) -> bool:
+    """Whether `features`, caught on their way into `result`'s embeddings, give the same
+    embeddings back as `cached_image_features` (a model may take back something else, e.g. the
+    tower's output before its projector): a merge without the tower, cheap."""
+    again = model.get_input_embeddings(
+        input_ids, pixels, **extras, cached_image_features=features
+    ).inputs_embeds
+    same = mx.array_equal(again, result.inputs_embeds)
+    mx.eval(features, same)
+    return bool(same.item())
 
 
 def embed_prompt(
@@ -185,8 +200,7 @@ def embed_prompt(
         result = model.get_input_embeddings(input_ids, pixels, **extras)
     finally:
         _release_merged_features(model)
-    if len(captured) == 1:
-        mx.eval(captured[0])
+    if len(captured) == 1 and _gives_back(model, input_ids, pixels, extras, captured[0], result):
         cache.put(vision.media_key, captured[0])
     embeds = result.inputs_embeds
     position_ids = getattr(result, "position_ids", None)
