@@ -10,6 +10,7 @@ on the vision model (one with a window), 24 tokens at most."""
 from __future__ import annotations
 
 import random
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,27 @@ def request_mix(seed: int, count: int) -> list[tuple[str, dict[str, Any]]]:
     return mix
 
 
+async def alone_then_together(
+    engine: trio_mlx.Engine, calls: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[Any], list[Any]]:
+    """Each of `calls` (no-argument coroutine functions) run alone, one after the other; then
+    all started at one step boundary of the runner. Their outputs, alone and together."""
+    alone = [await call() for call in calls]
+    hold = hold_the_runner_intake(monkeypatch)
+    together: list[Any] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        together[i] = await calls[i]()
+
+    hold.close()
+    async with trio.open_nursery() as nursery:
+        for i in range(len(calls)):
+            nursery.start_soon(one, i)
+        await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == len(calls))
+        hold.open()
+    return alone, together
+
+
 def summary(out: Any) -> tuple[Any, ...]:
     return (tuple(out.tokens), out.finish_reason, out.text)
 
@@ -87,20 +109,9 @@ async def test_each_request_gives_alone_what_it_gives_with_any_companions(
         admission="wait",
         max_waiting=8,
     ) as engine:
-        alone = [await engine.generate(prompt, **options) for prompt, options in mix]
-        hold = hold_the_runner_intake(monkeypatch)
-        together: list[Any] = [None] * len(mix)
-
-        async def one(i: int) -> None:
-            prompt, options = mix[i]
-            together[i] = await engine.generate(prompt, **options)
-
-        hold.close()
-        async with trio.open_nursery() as nursery:
-            for i in range(len(mix)):
-                nursery.start_soon(one, i)
-            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == len(mix))
-            hold.open()
+        alone, together = await alone_then_together(
+            engine, [partial(engine.generate, p, **o) for p, o in mix], monkeypatch
+        )
         assert max(int(n) for n in engine.get_stats()["runner"]["batch_sizes"]) >= 4
     assert [summary(o) for o in together] == [summary(o) for o in alone]
     for a, b in zip(alone, together, strict=True):
@@ -141,20 +152,9 @@ async def test_image_and_text_requests_give_alone_what_they_give_together(
         admission="wait",
         max_waiting=8,
     ) as engine:
-        alone = [await engine.chat(messages, **options) for messages, options in mix]
-        hold = hold_the_runner_intake(monkeypatch)
-        together: list[Any] = [None] * len(mix)
-
-        async def one(i: int) -> None:
-            messages, options = mix[i]
-            together[i] = await engine.chat(messages, **options)
-
-        hold.close()
-        async with trio.open_nursery() as nursery:
-            for i in range(len(mix)):
-                nursery.start_soon(one, i)
-            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == len(mix))
-            hold.open()
+        alone, together = await alone_then_together(
+            engine, [partial(engine.chat, m, **o) for m, o in mix], monkeypatch
+        )
         assert engine.get_stats()["runner"]["media_joined"] > 0
     assert [summary(o) for o in together] == [summary(o) for o in alone]
     for a, b in zip(alone, together, strict=True):
