@@ -422,9 +422,7 @@ class BatchDecoder:
         """Row `row`'s cache: the lone row's own (no copy) or a copy out of the batch cache."""
         if self.solo:
             return self._cache
-        seq = self.rows[row]  # its cache holds its fed tokens
-        length = seq.prompt_done + len(seq.fed_generated)
-        return batch_layout.extract_row(self._cache, row, length)
+        return batch_layout.extract_row(self._cache, row, self.rows[row].cached_length)
 
     def _drop_removed(self) -> None:
         keep = [i for i, seq in enumerate(self.rows) if not seq.removed]
@@ -442,8 +440,7 @@ class BatchDecoder:
             self.solo = True
             return
         aligned = batch_mask.aligned_after_filter(self._cache, len(keep))
-        # each kept row's cache holds its fed tokens (the step in flight's input included)
-        lengths = [self.rows[i].prompt_done + len(self.rows[i].fed_generated) for i in keep]
+        lengths = [self.rows[i].cached_length for i in keep]
         batch_layout.filter_rows(self._cache, keep, lengths)
         batch_mask.adopt(self._cache, aligned)
         self._inputs = self._inputs[mx.array(keep)]

@@ -85,14 +85,11 @@ def _joined(batch: Any, rows: list[Any]) -> Any:
     """`batch`'s rows (None: a new batch) and `rows` in one new buffer, written into `batch`
     (or a new `BatchKVCache`); None where there is nothing to lay out (every side empty), for
     the classes' own methods."""
-    sides = [] if batch is None or batch.keys is None else [batch.keys]
-    sides += [row.keys for row in rows if row.keys is not None and row.offset > 0]
+    sides = [] if batch is None or batch.keys is None else [(batch.keys, batch.values)]
+    sides += [(row.keys, row.values) for row in rows if row.keys is not None and row.offset > 0]
     if not sides or (batch is not None and batch.keys is None):
         return None
-    template_keys = sides[0]
-    template_values = batch.values if batch is not None else None
-    if template_values is None:
-        template_values = next(r.values for r in rows if r.keys is not None and r.offset > 0)
+    template_keys, template_values = sides[0]
     lengths = [int(row.offset) for row in rows]
     idx = max([batch._idx if batch is not None else 0, *lengths])
     columns = idx + growth_step(idx)

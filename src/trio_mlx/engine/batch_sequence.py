@@ -108,6 +108,12 @@ class BatchSequence:
         allowed)."""
         return not self.processors and self.grammar is None and self.selector.batch_greedy
 
+    @property
+    def cached_length(self) -> int:
+        """How many positions this sequence's cache holds: its fed tokens, known on the host (no
+        device read), the input of a step in flight included."""
+        return self.prompt_done + len(self.fed_generated)
+
     def fed_tokens(self) -> tuple[int, ...]:
         """The tokens this sequence's cache holds at a call boundary, in order (the prompt's in
         `key_tokens`)."""
