@@ -102,6 +102,22 @@ async def test_the_callers_own_error_comes_out_unwrapped(tiny_model_dir: Path) -
     assert runner_threads() == []
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+async def test_ctrl_c_and_sys_exit_in_the_block_come_out_unwrapped(
+    tiny_model_dir: Path, error: type[BaseException]
+) -> None:
+    # Ctrl-C reaches a Trio program as KeyboardInterrupt in its main task, most likely while it
+    # waits for a token inside the block. Wrapped in the engine nursery's BaseExceptionGroup,
+    # `except KeyboardInterrupt` missed it (`trio-mlx generate` printed a traceback and exited
+    # 1 instead of 130), and so did a `sys.exit()` in the block.
+    with pytest.raises(error):
+        async with trio_mlx.open_engine(tiny_model_dir) as engine:
+            async for _ in engine.stream_generate(PROMPT, max_tokens=900):
+                raise error()
+    assert engine.get_stats()["finished"] == {"abort": 1}
+    assert runner_threads() == []
+
+
 async def test_a_model_fault_in_prefill_fails_that_request_only(tiny_model_dir: Path) -> None:
     poison = 31337
     loader, _ = wrapping_loader(lambda m: FaultyModel(m, poison=poison))
