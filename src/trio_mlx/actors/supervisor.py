@@ -176,7 +176,8 @@ async def open_engine(
             engine: Engine = await nursery.start(
                 partial(serve_engine, model, loader=loader, **config)
             )
-        except Exception as exc:  # the model did not load: nothing else is running yet
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:
+            # The model did not load (or Ctrl-C came meanwhile): nothing else is running yet.
             failure = exc
         else:
             try:
