@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -102,6 +104,22 @@ async def test_the_callers_own_error_comes_out_unwrapped(tiny_model_dir: Path) -
     assert runner_threads() == []
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+async def test_ctrl_c_and_sys_exit_in_the_block_come_out_unwrapped(
+    tiny_model_dir: Path, error: type[BaseException]
+) -> None:
+    # Ctrl-C reaches a Trio program as KeyboardInterrupt in its main task, most likely while it
+    # waits for a token inside the block. Wrapped in the engine nursery's BaseExceptionGroup,
+    # `except KeyboardInterrupt` missed it (`trio-mlx generate` printed a traceback and exited
+    # 1 instead of 130), and so did a `sys.exit()` in the block.
+    with pytest.raises(error):
+        async with trio_mlx.open_engine(tiny_model_dir) as engine:
+            async for _ in engine.stream_generate(PROMPT, max_tokens=900):
+                raise error()
+    assert engine.get_stats()["finished"] == {"abort": 1}
+    assert runner_threads() == []
+
+
 async def test_a_model_fault_in_prefill_fails_that_request_only(tiny_model_dir: Path) -> None:
     poison = 31337
     loader, _ = wrapping_loader(lambda m: FaultyModel(m, poison=poison))
@@ -193,3 +211,53 @@ async def test_a_model_load_cancelled_midway_returns_without_waiting_for_it(
     with trio.fail_after(10):
         while runner_threads():  # noqa: ASYNC110 (a thread's name has no event)
             await trio.sleep(0.01)
+
+
+CTRL_C_DURING_LOAD = """
+import os, signal, sys, time
+from pathlib import Path
+import trio
+import trio_mlx
+from trio_mlx.engine.loading import load_model
+
+model, marker = sys.argv[1], Path(sys.argv[2])
+
+def slow_loader(spec):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the model loads
+    time.sleep(0.5)  # still loading when the caller has given up
+    loaded = load_model(spec)
+    marker.write_text("loaded")
+    return loaded
+
+async def main():
+    async with trio_mlx.open_engine(model, loader=slow_loader):
+        raise AssertionError("the engine cannot have opened")
+
+try:
+    trio.run(main)
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_ctrl_c_during_the_load_comes_out_unwrapped_and_exit_waits_for_the_load(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Ctrl-C while the model loads came out of open_engine inside a BaseExceptionGroup
+    # (`trio-mlx generate` printed a traceback). And the load, abandoned, goes on on its daemon
+    # thread (as after any cancel: SIGINT / SIGTERM while `trio-mlx serve` loads): a process
+    # that then ended tore the thread down inside the load, and inside MLX's C++ that killed
+    # the process with SIGABRT ("terminate called without an active exception"). Exit now waits
+    # for the load to end.
+    marker = tmp_path / "loaded"
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_DURING_LOAD, str(tiny_model_dir), str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "interrupted\n"
+    assert "terminate called" not in done.stderr
+    assert marker.read_text() == "loaded"

@@ -230,7 +230,8 @@ class Runner:
         while the model is still loading: a load is one long call that cannot be interrupted,
         so it is not waited for; the thread finishes the load, sees the stop right after it,
         drops the model on its own thread and parks (`runner_threads`). Its outcome (the
-        model, or a load error) goes with it, unreported."""
+        model, or a load error) goes with it, unreported; a process that ends meanwhile waits
+        for it (`RunnerJob.abandon`: torn down inside MLX, the process would abort)."""
         token = trio.lowlevel.current_trio_token()
         finished = trio.Event()
         result: list[outcome.Outcome[None]] = []
@@ -245,15 +246,17 @@ class Runner:
             with contextlib.suppress(trio.RunFinishedError):  # the run is gone: nobody waits
                 token.run_sync_soon(finished.set)
 
-        start_runner_thread(body, done)
+        thread_job = start_runner_thread(body, done)
         try:
             await finished.wait()
         finally:
             self._stop.set()
             self._wakeup.set()
-            if self._loaded.is_set():  # else abandoned mid-load (see the docstring)
+            if self._loaded.is_set():
                 with trio.CancelScope(shield=True):
                     await finished.wait()
+            else:  # abandoned mid-load (see the docstring); the process's exit waits for it
+                thread_job.abandon()
         result[0].unwrap()
 
     def use_prefix_cache(self, manager: KVCacheManager) -> None:

@@ -10,12 +10,19 @@ is parked when its engine stops and handed to the next engine that starts (at mo
 threads as engines ever ran at once). At process exit the parked threads are daemons: the process
 ends without unwinding them.
 
+A job its engine gave up on while it ran (a model load cancelled midway: `Runner._run_thread`)
+is `abandon()`ed: the process's exit waits for it to end (an `atexit` hook), because a daemon
+thread still inside MLX's C++ when the interpreter finalizes is torn down there, and the process
+dies of SIGABRT ("terminate called without an active exception"), e.g. `trio-mlx serve` stopped
+by a signal while its model loads.
+
 Each thread also keeps one MLX stream of its own (`runner_stream()`), so engines started one after
 another in a process reuse it rather than adding a stream (and, on the CPU, a stream thread) each.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import queue
 import sys
@@ -31,32 +38,49 @@ IDLE_THREAD_NAME = "trio-mlx-runner (idle)"
 _lock = threading.Lock()
 _idle: list[_ParkedThread] = []
 _local = threading.local()
+#: Jobs abandoned while they ran, not ended yet: the process's exit waits for them.
+_abandoned: set[RunnerJob] = set()
+
+
+class RunnerJob:
+    """A job handed to a runner thread; `ended` is set once it has returned."""
+
+    def __init__(self, job: Callable[[], None], done: Callable[[], None]) -> None:
+        self.job = job
+        self.done = done
+        self.ended = threading.Event()
+
+    def abandon(self) -> None:
+        """Nobody waits for this job any more; the process's exit still does (see above)."""
+        with _lock:
+            if not self.ended.is_set():
+                _abandoned.add(self)
 
 
 class _ParkedThread:
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[RunnerJob] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=IDLE_THREAD_NAME, daemon=True)
         self._thread.start()
 
-    def run(self, job: Callable[[], None], done: Callable[[], None]) -> None:
-        self._jobs.put((job, done))
+    def run(self, job: RunnerJob) -> None:
+        self._jobs.put(job)
 
     def _loop(self) -> None:
         name_os_thread(RUNNER_THREAD_NAME)
         thread = threading.current_thread()
         while True:
-            job, done = self._jobs.get()
+            job = self._jobs.get()
             thread.name = RUNNER_THREAD_NAME
             try:
-                job()
+                job.job()
             finally:
                 thread.name = IDLE_THREAD_NAME
                 with _lock:
                     _idle.append(self)
-                done()
+                    job.ended.set()
+                    _abandoned.discard(job)
+                job.done()
 
 
 def name_os_thread(name: str) -> None:
@@ -72,14 +96,37 @@ def name_os_thread(name: str) -> None:
         pass
 
 
-def start_runner_thread(job: Callable[[], None], done: Callable[[], None]) -> None:
+def start_runner_thread(job: Callable[[], None], done: Callable[[], None]) -> RunnerJob:
     """Run `job` on a parked runner thread (a new one if none is idle), then `done` once the
     thread is parked again. Neither may raise: `job` reports its own outcome."""
     with _lock:
         parked = _idle.pop() if _idle else None
     if parked is None:
         parked = _ParkedThread()
-    parked.run(job, done)
+    handle = RunnerJob(job, done)
+    parked.run(handle)
+    return handle
+
+
+@atexit.register
+def _wait_for_abandoned_jobs() -> None:
+    """At exit (before daemon threads are torn down): let abandoned jobs end, saying so on
+    stderr (a large model's load can take a while; a second Ctrl-C stops waiting, and the
+    process may then abort as described above)."""
+    said = False
+    while True:
+        with _lock:
+            pending = next(iter(_abandoned), None)
+        if pending is None:
+            return
+        if not said:
+            print(
+                "trio-mlx: waiting for the model load under way to end before exiting",
+                file=sys.stderr,
+                flush=True,
+            )
+            said = True
+        pending.ended.wait()
 
 
 def runner_stream() -> Any:

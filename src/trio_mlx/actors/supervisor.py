@@ -170,20 +170,24 @@ async def open_engine(
     Raises the load error if the model cannot be loaded, and `EngineCrashed` on exit if the runner
     thread died while the block ran.
     """
-    failure: Exception | None = None
+    failure: BaseException | None = None
     async with trio.open_nursery() as nursery:
         try:
             engine: Engine = await nursery.start(
                 partial(serve_engine, model, loader=loader, **config)
             )
-        except Exception as exc:  # the model did not load: nothing else is running yet
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:
+            # The model did not load (or Ctrl-C came meanwhile): nothing else is running yet.
             failure = exc
         else:
             try:
                 yield engine
-            except Exception as exc:
+            except (Exception, KeyboardInterrupt, SystemExit) as exc:
                 # The caller's own error: re-raised as it is once the engine has stopped, rather
-                # than wrapped in this nursery's ExceptionGroup.
+                # than wrapped in this nursery's ExceptionGroup. Ctrl-C (KeyboardInterrupt in
+                # the main task, most likely while it waits inside this block) and sys.exit()
+                # too, so that `except KeyboardInterrupt` still catches them. Cancellation goes
+                # through the nursery as Trio expects.
                 failure = exc
             finally:
                 engine.close()
