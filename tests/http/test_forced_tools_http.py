@@ -5,6 +5,7 @@ openai client and raw HTTP."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +319,54 @@ async def test_a_forced_tool_whose_schema_cannot_be_compiled_is_a_400(
     # Under "auto" nothing is compiled: the same tools are accepted.
     auto = await http.post(CHAT, json={**body, "tool_choice": "auto", "max_tokens": 4})
     assert auto.status_code == 200, auto.text
+
+
+async def test_forced_arguments_are_an_object_when_the_schema_names_no_type(
+    client: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    # `parameters` without `"type": "object"` (`{}` is common) let the grammar take any JSON
+    # value as the arguments: the tiny model wrote a string and the call's `arguments` came back
+    # as that string's text, which no client can parse. Here only `{}` is an object it allows.
+    open_schema = {"maxProperties": 0, "description": "no arguments"}
+    tool: Any = {"type": "function", "function": {"name": "ping", "parameters": open_schema}}
+    request: Any = {
+        "messages": ASK,
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    whole = await client.chat.completions.create(model="tiny", **request)
+    assert whole.choices[0].finish_reason == "tool_calls", whole
+    (call,) = whole.choices[0].message.tool_calls or []
+    assert json.loads(call.function.arguments) == {}
+    streamed = await streamed_chat(client, **request)
+    assert streamed["finish"] == "tool_calls"
+    first = streamed["calls"][0]
+    assert json.loads(first["first"].function.arguments + "".join(first["pieces"])) == {}
+    reply = await client.responses.create(
+        model="tiny",
+        input="What is the weather in Paris?",
+        tools=[responses_tool(tool)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=40,
+    )
+    assert reply.status == "completed", reply
+    assert [json.loads(o.arguments) for o in reply.output if o.type == "function_call"] == [{}]
+    # A schema of another type is refused, naming it where the request has it.
+    strings = {"type": "string"}
+    refused = await http.post(
+        CHAT,
+        json={**request, "tools": [{**tool, "function": {"name": "ping", "parameters": strings}}]},
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "tools[0].function.parameters.type"
+    flat = {"type": "function", "name": "ping", "parameters": strings}
+    refused = await http.post(
+        "/v1/responses", json={"input": "hi", "tools": [flat], "tool_choice": "required"}
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "tools[0].parameters.type"

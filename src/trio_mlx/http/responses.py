@@ -23,6 +23,7 @@ goes away aborts the generation at the next step boundary.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -52,6 +53,8 @@ from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader, plan_tools
 from trio_mlx.tools import ArgumentsAppended, CallStarted, Content, ToolEvent
 from trio_mlx.types import GenerationOutput
+
+_FUNCTION_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
 
 
 def input_messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[int]]:
@@ -142,15 +145,19 @@ async def start_response(
     engine, model = state.engine_for(body.model)
     record.model = model
     messages, where = input_messages(body)
-    plan = plan_tools(
-        messages,
-        body.chat_tools(),
-        body.tool_choice,
-        body.parallel_tool_calls,
-        tokenizer=engine.tokenizer,
-        parser=state.settings.tool_call_parser,
-        nested_choice=False,
-    )
+    try:
+        plan = plan_tools(
+            messages,
+            body.chat_tools(),
+            body.tool_choice,
+            body.parallel_tool_calls,
+            tokenizer=engine.tokenizer,
+            parser=state.settings.tool_call_parser,
+            nested_choice=False,
+        )
+    except APIError as exc:  # about a tool's schema, in the chat shape: the request's field
+        exc.param = _FUNCTION_PARAMETERS.sub(r"tools[\1].parameters", exc.param or "") or None
+        raise
     options = body.sampling_options() | plan.options
     output_format = responses_output_format(body.text.format if body.text else None)
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
