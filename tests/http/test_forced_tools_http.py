@@ -193,6 +193,23 @@ async def test_a_forced_call_cut_by_max_tokens_ends_with_length_and_no_broken_ca
     assert cut["status"] == "incomplete"
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert not [o for o in cut["output"] if o["type"] == "function_call"]
+    # Streamed and cut, a call's arguments are what the model wrote of them: a call cut before
+    # its first argument was finished as `"{}"`, a call it never made (no client can tell it
+    # from `add()` but by the item's status).
+    cut_before_arguments = 0
+    for limit in range(6, 13):
+        body = {**responses, "max_output_tokens": limit, "stream": True}
+        events = named_events((await http.post("/v1/responses", json=body)).text)
+        assert events[-1][0] == "response.incomplete"
+        for item in [d["item"] for n, d in events if n == "response.output_item.done"]:
+            written = "".join(
+                d["delta"]
+                for n, d in events
+                if n == "response.function_call_arguments.delta" and d["item_id"] == item["id"]
+            )
+            assert item["arguments"] == written, (limit, item)
+            cut_before_arguments += item["status"] == "incomplete" and not written
+    assert cut_before_arguments  # the case above was met
 
 
 async def test_a_client_gone_mid_forced_call_frees_the_engine(server: RunningServer) -> None:

@@ -405,7 +405,8 @@ class ResponseRun:
             self._items.append(message)
         elif self._call is not None:
             call, self._call = self._call, None
-            call.arguments = call.arguments or "{}"
+            if status == "completed":  # a call cut short keeps what was written of it
+                call.arguments = call.arguments or "{}"
             call.status = status  # type: ignore[assignment]
             events += [
                 self._event(
