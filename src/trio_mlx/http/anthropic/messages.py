@@ -199,11 +199,15 @@ class MessageRun:
         return events
 
     def stop_reason(self, final: GenerationOutput, calls: int = 0) -> StopReason:
-        """Why the answer ended: `tool_use` when it made calls and was not cut short."""
+        """Why the answer ended: `tool_use` when it made calls and was not cut short. `calls`:
+        the calls begun; only those the reader counts whole are made (a stop sequence met inside
+        a forced call's JSON leaves it unmade)."""
         if final.finish_reason == "length":
             if final.completion_tokens < self.max_tokens:
                 return "model_context_window_exceeded"
             return "max_tokens"
+        if self.reader is not None:
+            calls = min(calls, self.reader.calls)
         if calls:
             return "tool_use"
         return "stop_sequence" if final.stop_sequence is not None else "end_turn"
