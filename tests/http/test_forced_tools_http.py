@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import trio
 
 from idle import wait_until_idle
@@ -387,3 +388,39 @@ async def test_forced_arguments_are_an_object_when_the_schema_names_no_type(
     )
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "tools[0].parameters.type"
+
+
+async def test_a_forced_call_a_stop_string_cuts_is_no_completed_call(
+    http: httpx.AsyncClient,
+) -> None:
+    # A stop string met inside the call's JSON: the streamed Responses call was "completed"
+    # with its broken arguments (`{"`), a call a client would run; chat ends with "stop" and
+    # no call, as the whole response has none.
+    tool = {
+        "type": "function",
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    }
+    body: Any = {
+        "input": "What time is it?",
+        "tools": [tool],
+        "tool_choice": "required",
+        "stop": ["zone"],
+        "temperature": 0,
+        "max_output_tokens": 60,
+    }
+    whole = (await http.post("/v1/responses", json=body)).json()
+    assert not [o for o in whole["output"] if o["type"] == "function_call"], whole
+    events = named_events((await http.post("/v1/responses", json={**body, "stream": True})).text)
+    calls = [d["item"] for n, d in events if n == "response.output_item.done"]
+    assert calls and all(c["type"] == "function_call" for c in calls)
+    assert calls[-1]["status"] == "incomplete", calls
+    with pytest.raises(ValueError):
+        json.loads(calls[-1]["arguments"])
+    final = events[-1][1]["response"]
+    assert final["output"][-1]["status"] == "incomplete"

@@ -309,6 +309,8 @@ class ResponseRun:
                     for event in self._reply_events(out.new_text, finish=True):
                         yield event
                     item_status = "incomplete" if status == "incomplete" else "completed"
+                    if self._call is not None and self._cut_call():
+                        item_status = "incomplete"
                     for event in self._close_item(item_status):
                         yield event
                 output = [*self._items, *([self._message] if self._message else [])]
@@ -317,6 +319,12 @@ class ResponseRun:
         finally:
             self.close()
             self.record.finish(last)
+
+    def _cut_call(self) -> bool:
+        """Whether the call being written is one the reader does not count whole (a forced
+        call's JSON that a stop string cut)."""
+        started = 1 + sum(isinstance(item, FunctionCallItem) for item in self._items)
+        return self.calls is not None and self.calls.calls < started
 
     def _reply_events(self, text: str, *, finish: bool) -> list[dict[str, Any]]:
         parsed: list[ToolEvent]
