@@ -577,3 +577,8 @@ async def test_output_config_format_constrains_the_answer_to_its_schema(
             **request,
         )
     assert "output_config.format" in str(caught.value)
+    # A prefill would be continued under the schema, the whole not JSON: refused.
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        prefilled = [*USER, {"role": "assistant", "content": '{"colour": '}]
+        await claude.messages.parse(output_format=Verdict, **{**request, "messages": prefilled})
+    assert "output_config.format" in str(caught.value)

@@ -151,6 +151,13 @@ async def start_message(
     if body.thinking is not None and body.thinking.type == "enabled":
         options["thinking_token_budget"] = body.thinking.budget_tokens
     output_format = _output_format(body)
+    if output_format is not None and chat.prefill:
+        raise APIError(  # the grammar would hold the continuation alone to the schema
+            400,
+            "structured output cannot continue a prefilled assistant turn: leave it out",
+            param=output_format.param,
+            code="invalid_value",
+        )
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first
         options.setdefault("output_format", output_format)
     try:
