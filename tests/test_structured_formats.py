@@ -254,6 +254,38 @@ def test_a_tool_without_parameters_takes_an_empty_object(
 
 
 @pytest.mark.parametrize(
+    "parameters",
+    [
+        {},
+        {"description": "no type"},
+        {"maxLength": 3},
+        {"properties": {"a": {"type": "integer"}}},
+        {"type": ["object", "null"]},
+        {"$ref": "#/$defs/args", "$defs": {"args": {"properties": {"a": {"type": "integer"}}}}},
+    ],
+)
+def test_forced_arguments_are_an_object_whatever_the_schema_leaves_open(
+    compiler: GrammarCompiler, tokenizer: Any, parameters: Any
+) -> None:
+    # A schema without `"type": "object"` (`parameters: {}` is common) allowed any JSON value
+    # as the arguments: the model wrote `"arguments": "..."` and the reply's `arguments` was no
+    # JSON object (a string's text, unparseable by the client).
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    fmt = forced_tool_calls_format([tool], "f", parallel=False)
+    assert accepts(compiler, tokenizer, fmt, '{"name": "f", "arguments": {"a": 1}}')
+    for value in ('"abc"', "1", "null", "[1]"):
+        assert not accepts(compiler, tokenizer, fmt, f'{{"name": "f", "arguments": {value}}}')
+
+
+@pytest.mark.parametrize("kind", ["string", ["string", "null"], "array"])
+def test_forced_arguments_of_a_schema_that_is_no_object_are_refused(kind: Any) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": kind}}}
+    with pytest.raises(InvalidRequest) as caught:
+        forced_tool_calls_format([tool], "f", parallel=False)
+    assert caught.value.param == "tools[0].function.parameters.type"
+
+
+@pytest.mark.parametrize(
     ("tools", "choice"),
     [([], "required"), ([WEATHER], "get_time"), ([{"type": "web_search"}], "required")],
 )

@@ -75,3 +75,27 @@ async def one_choice(client: anthropic.AsyncAnthropic, choice: Any, allowed: set
     streamed = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
     assert streamed == [(b.name, b.input) for b in uses]  # greedy: the same calls
     assert [json.loads(partial[i]) for i in sorted(partial)] == [b.input for b in uses]
+
+
+async def test_a_stop_sequence_inside_the_forced_call_is_no_tool_use(
+    server: RunningServer,
+) -> None:
+    # A stop sequence met inside the call's JSON ends the answer before any call is whole: the
+    # answer was `stop_reason: "tool_use"` with no tool_use block (whole) or a block of broken
+    # input (streamed), and a client that trusts the stop reason looks for a call to run.
+    request: Any = {
+        "model": "tiny",
+        "max_tokens": 200,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": {"type": "tool", "name": "get_time"},
+        "stop_sequences": ["zone"],  # the grammar writes it: the key of get_time's argument
+        "extra_body": {"temperature": 0},
+    }
+    async with client_of(server) as client:
+        whole = await client.messages.create(**request)
+        assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "zone"), whole
+        assert not [b for b in whole.content if b.type == "tool_use"]
+        async with client.messages.stream(**request) as stream:
+            final = await stream.get_final_message()
+        assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "zone"), final

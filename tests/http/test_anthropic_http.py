@@ -11,10 +11,11 @@ import json
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
+import pydantic
 import pytest
 import trio
 
@@ -533,3 +534,51 @@ async def test_a_loading_model_is_503_overloaded_error(tiny_model_dir: Path) -> 
             await server.state.ready.wait()
         ready = await claude.messages.create(model="tiny-llama", max_tokens=2, messages=USER)
         assert ready.usage.output_tokens == 2
+
+
+class Verdict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # no other keys for the model to ramble
+
+    colour: Literal["red", "green", "blue"]
+    sure: bool
+
+
+async def test_output_config_format_constrains_the_answer_to_its_schema(
+    claude: anthropic.AsyncAnthropic, http: httpx.AsyncClient
+) -> None:
+    # Anthropic's structured outputs (`output_config.format`, what the SDK's messages.parse()
+    # sends) were ignored: the tiny model answered gibberish and parse() raised.
+    request: Any = {"model": "tiny", "max_tokens": 40, "messages": USER, "extra_body": GREEDY}
+    parsed = await claude.messages.parse(output_format=Verdict, **request)
+    assert parsed.stop_reason == "end_turn", parsed
+    assert isinstance(parsed.parsed_output, Verdict)
+    async with claude.messages.stream(output_format=Verdict, **request) as stream:
+        final = await stream.get_final_message()
+    assert final.parsed_output == parsed.parsed_output
+    # The beta's top-level `output_format` is the same constraint.
+    schema = Verdict.model_json_schema()
+    beta = await http.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 40,
+            "messages": USER,
+            "temperature": 0,
+            "output_format": {"type": "json_schema", "schema": schema},
+        },
+    )
+    assert beta.status_code == 200, beta.text
+    assert Verdict.model_validate_json(beta.json()["content"][0]["text"]) == parsed.parsed_output
+    # A format the grammar cannot compile is a 400 naming it.
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        await claude.messages.create(
+            output_config={
+                "format": {"type": "json_schema", "schema": {"type": "string", "pattern": "["}}
+            },
+            **request,
+        )
+    assert "output_config.format" in str(caught.value)
+    # A prefill would be continued under the schema, the whole not JSON: refused.
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        prefilled = [*USER, {"role": "assistant", "content": '{"colour": '}]
+        await claude.messages.parse(output_format=Verdict, **{**request, "messages": prefilled})
+    assert "output_config.format" in str(caught.value)

@@ -5,11 +5,13 @@ openai client and raw HTTP."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import pytest
 import trio
 
 from idle import wait_until_idle
@@ -192,6 +194,23 @@ async def test_a_forced_call_cut_by_max_tokens_ends_with_length_and_no_broken_ca
     assert cut["status"] == "incomplete"
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert not [o for o in cut["output"] if o["type"] == "function_call"]
+    # Streamed and cut, a call's arguments are what the model wrote of them: a call cut before
+    # its first argument was finished as `"{}"`, a call it never made (no client can tell it
+    # from `add()` but by the item's status).
+    cut_before_arguments = 0
+    for limit in range(6, 13):
+        body = {**responses, "max_output_tokens": limit, "stream": True}
+        events = named_events((await http.post("/v1/responses", json=body)).text)
+        assert events[-1][0] == "response.incomplete"
+        for item in [d["item"] for n, d in events if n == "response.output_item.done"]:
+            written = "".join(
+                d["delta"]
+                for n, d in events
+                if n == "response.function_call_arguments.delta" and d["item_id"] == item["id"]
+            )
+            assert item["arguments"] == written, (limit, item)
+            cut_before_arguments += item["status"] == "incomplete" and not written
+    assert cut_before_arguments  # the case above was met
 
 
 async def test_a_client_gone_mid_forced_call_frees_the_engine(server: RunningServer) -> None:
@@ -318,3 +337,90 @@ async def test_a_forced_tool_whose_schema_cannot_be_compiled_is_a_400(
     # Under "auto" nothing is compiled: the same tools are accepted.
     auto = await http.post(CHAT, json={**body, "tool_choice": "auto", "max_tokens": 4})
     assert auto.status_code == 200, auto.text
+
+
+async def test_forced_arguments_are_an_object_when_the_schema_names_no_type(
+    client: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    # `parameters` without `"type": "object"` (`{}` is common) let the grammar take any JSON
+    # value as the arguments: the tiny model wrote a string and the call's `arguments` came back
+    # as that string's text, which no client can parse. Here only `{}` is an object it allows.
+    open_schema = {"maxProperties": 0, "description": "no arguments"}
+    tool: Any = {"type": "function", "function": {"name": "ping", "parameters": open_schema}}
+    request: Any = {
+        "messages": ASK,
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    whole = await client.chat.completions.create(model="tiny", **request)
+    assert whole.choices[0].finish_reason == "tool_calls", whole
+    (call,) = whole.choices[0].message.tool_calls or []
+    assert json.loads(call.function.arguments) == {}
+    streamed = await streamed_chat(client, **request)
+    assert streamed["finish"] == "tool_calls"
+    first = streamed["calls"][0]
+    assert json.loads(first["first"].function.arguments + "".join(first["pieces"])) == {}
+    reply = await client.responses.create(
+        model="tiny",
+        input="What is the weather in Paris?",
+        tools=[responses_tool(tool)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=40,
+    )
+    assert reply.status == "completed", reply
+    assert [json.loads(o.arguments) for o in reply.output if o.type == "function_call"] == [{}]
+    # A schema of another type is refused, naming it where the request has it.
+    strings = {"type": "string"}
+    refused = await http.post(
+        CHAT,
+        json={**request, "tools": [{**tool, "function": {"name": "ping", "parameters": strings}}]},
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "tools[0].function.parameters.type"
+    flat = {"type": "function", "name": "ping", "parameters": strings}
+    refused = await http.post(
+        "/v1/responses", json={"input": "hi", "tools": [flat], "tool_choice": "required"}
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "tools[0].parameters.type"
+
+
+async def test_a_forced_call_a_stop_string_cuts_is_no_completed_call(
+    http: httpx.AsyncClient,
+) -> None:
+    # A stop string met inside the call's JSON: the streamed Responses call was "completed"
+    # with its broken arguments (`{"`), a call a client would run; chat ends with "stop" and
+    # no call, as the whole response has none.
+    tool = {
+        "type": "function",
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    }
+    body: Any = {
+        "input": "What time is it?",
+        "tools": [tool],
+        "tool_choice": "required",
+        "stop": ["zone"],
+        "temperature": 0,
+        "max_output_tokens": 60,
+    }
+    whole = (await http.post("/v1/responses", json=body)).json()
+    assert not [o for o in whole["output"] if o["type"] == "function_call"], whole
+    events = named_events((await http.post("/v1/responses", json={**body, "stream": True})).text)
+    calls = [d["item"] for n, d in events if n == "response.output_item.done"]
+    assert calls and all(c["type"] == "function_call" for c in calls)
+    assert calls[-1]["status"] == "incomplete", calls
+    with pytest.raises(ValueError):
+        json.loads(calls[-1]["arguments"])
+    final = events[-1][1]["response"]
+    assert final["output"][-1]["status"] == "incomplete"

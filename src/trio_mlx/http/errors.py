@@ -103,14 +103,26 @@ def from_engine_error(exc: TrioMLXError) -> APIError:
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
-    """A 400 for the first validation failure, `param` naming the field."""
-    first = exc.errors(include_url=False)[0]
+    """A 400 for the first field that failed, `param` naming it. Where the field takes several
+    shapes (a string or a list of blocks), pydantic reports a failure per shape: the one told is
+    the shape the client sent (a failure that is no type mismatch, else the deepest one), so
+    that a list of five stop strings reads "at most 4 items", not "a valid string"."""
+    errors = exc.errors(include_url=False)
+    where = tuple(errors[0].get("loc", ()))
+    cut = next((i for i, part in enumerate(where) if _is_union_tag(part)), len(where))
+    shapes = [error for error in errors if tuple(error.get("loc", ()))[:cut] == where[:cut]]
+    first = max(shapes, key=_relevance)  # max keeps the first of equals
     loc = [part for part in first.get("loc", ()) if not _is_union_tag(part)]
     param = field_path(loc) or None
     message = first.get("msg", "invalid value")
     if param:
         message = f"{param}: {message}"
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def _relevance(error: Any) -> tuple[bool, int]:
+    depth = sum(1 for part in error.get("loc", ()) if not _is_union_tag(part))
+    return not str(error.get("type", "")).endswith("_type"), depth
 
 
 def field_path(loc: list[Any] | tuple[Any, ...]) -> str:

@@ -23,6 +23,7 @@ goes away aborts the generation at the next step boundary.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -52,6 +53,8 @@ from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader, plan_tools
 from trio_mlx.tools import ArgumentsAppended, CallStarted, Content, ToolEvent
 from trio_mlx.types import GenerationOutput
+
+_FUNCTION_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
 
 
 def input_messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[int]]:
@@ -142,15 +145,19 @@ async def start_response(
     engine, model = state.engine_for(body.model)
     record.model = model
     messages, where = input_messages(body)
-    plan = plan_tools(
-        messages,
-        body.chat_tools(),
-        body.tool_choice,
-        body.parallel_tool_calls,
-        tokenizer=engine.tokenizer,
-        parser=state.settings.tool_call_parser,
-        nested_choice=False,
-    )
+    try:
+        plan = plan_tools(
+            messages,
+            body.chat_tools(),
+            body.tool_choice,
+            body.parallel_tool_calls,
+            tokenizer=engine.tokenizer,
+            parser=state.settings.tool_call_parser,
+            nested_choice=False,
+        )
+    except APIError as exc:  # about a tool's schema, in the chat shape: the request's field
+        exc.param = _FUNCTION_PARAMETERS.sub(r"tools[\1].parameters", exc.param or "") or None
+        raise
     options = body.sampling_options() | plan.options
     output_format = responses_output_format(body.text.format if body.text else None)
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
@@ -302,6 +309,8 @@ class ResponseRun:
                     for event in self._reply_events(out.new_text, finish=True):
                         yield event
                     item_status = "incomplete" if status == "incomplete" else "completed"
+                    if self._call is not None and self._cut_call():
+                        item_status = "incomplete"
                     for event in self._close_item(item_status):
                         yield event
                 output = [*self._items, *([self._message] if self._message else [])]
@@ -310,6 +319,12 @@ class ResponseRun:
         finally:
             self.close()
             self.record.finish(last)
+
+    def _cut_call(self) -> bool:
+        """Whether the call being written is one the reader does not count whole (a forced
+        call's JSON that a stop string cut)."""
+        started = 1 + sum(isinstance(item, FunctionCallItem) for item in self._items)
+        return self.calls is not None and self.calls.calls < started
 
     def _reply_events(self, text: str, *, finish: bool) -> list[dict[str, Any]]:
         parsed: list[ToolEvent]
@@ -398,7 +413,8 @@ class ResponseRun:
             self._items.append(message)
         elif self._call is not None:
             call, self._call = self._call, None
-            call.arguments = call.arguments or "{}"
+            if status == "completed":  # a call cut short keeps what was written of it
+                call.arguments = call.arguments or "{}"
             call.status = status  # type: ignore[assignment]
             events += [
                 self._event(

@@ -42,7 +42,8 @@ def forced_tool_calls_format(
 
     `InvalidRequest` naming `param` when there is no function tool to call, or `choice` names
     none of them; one naming `tools[i].function.parameters` for a parameters schema that is
-    not an object.
+    not an object (`...parameters.type` for a schema of another type; a schema that names no
+    type is held to an object, as arguments always are).
     """
     functions = _function_tools(tools)
     if choice == "required":
@@ -129,11 +130,26 @@ def _arguments_schema(index: int, parameters: Any, defs: dict[str, Any]) -> Any:
         return {"type": "object"}
     if not isinstance(parameters, Mapping):
         raise InvalidRequest("a tool's parameters must be a JSON Schema object", param=where)
+    parameters = _object_schema(parameters, where)
     if not _has_ref(parameters):
-        return copy.deepcopy(dict(parameters))
+        return copy.deepcopy(parameters)
     key = f"tool{index}"
     defs[key] = _rebase_refs(parameters, f"#/$defs/{key}/")
     return {"$ref": f"#/$defs/{key}"}
+
+
+def _object_schema(parameters: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`parameters` held to an object: arguments are a JSON object whatever the schema leaves
+    open (`{}`, a schema without `type`, `["object", "null"]`); a schema of another type is an
+    `InvalidRequest` naming its `type` (as OpenAI refuses it)."""
+    kind = parameters.get("type")
+    if kind is None or kind == "object" or (isinstance(kind, list) and "object" in kind):
+        return {**parameters, "type": "object"}
+    raise InvalidRequest(
+        f'a tool\'s parameters must be a JSON Schema of an object (`"type": "object"`), '
+        f"not of type {json.dumps(kind)}",
+        param=f"{where}.type",
+    )
 
 
 def _has_ref(value: Any) -> bool:

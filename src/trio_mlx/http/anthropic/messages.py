@@ -49,6 +49,7 @@ from trio_mlx.http.generation import (
 )
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.tooling import CallReader, ToolPlan
+from trio_mlx.structured.formats import OutputFormat
 from trio_mlx.tools import Content, Reasoning, ToolEvent
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationOutput
 
@@ -126,6 +127,17 @@ async def count_tokens(state: ServerState, body: CountTokensRequest) -> dict[str
     return TokenCount(input_tokens=count).dump()
 
 
+def _output_format(body: MessagesRequest) -> OutputFormat | None:
+    """The structured output `output_config.format` (or the beta's `output_format`) asks for."""
+    if body.output_config is not None and body.output_config.format is not None:
+        schema, param = body.output_config.format.schema_, "output_config.format"
+    elif body.output_format is not None:
+        schema, param = body.output_format.schema_, "output_format"
+    else:
+        return None
+    return OutputFormat.json_schema(schema, strict=False, param=param)
+
+
 async def start_message(
     state: ServerState, body: MessagesRequest, record: RequestRecord
 ) -> MessageRun:
@@ -138,6 +150,16 @@ async def start_message(
         options["top_k"] = body.top_k
     if body.thinking is not None and body.thinking.type == "enabled":
         options["thinking_token_budget"] = body.thinking.budget_tokens
+    output_format = _output_format(body)
+    if output_format is not None and chat.prefill:
+        raise APIError(  # the grammar would hold the continuation alone to the schema
+            400,
+            "structured output cannot continue a prefilled assistant turn: leave it out",
+            param=output_format.param,
+            code="invalid_value",
+        )
+    if output_format is not None:  # a forced tool call's grammar (plan.options) comes first
+        options.setdefault("output_format", output_format)
     try:
         prepared = await prepare_async(
             lambda: engine.prepare_chat_async(
@@ -199,11 +221,15 @@ class MessageRun:
         return events
 
     def stop_reason(self, final: GenerationOutput, calls: int = 0) -> StopReason:
-        """Why the answer ended: `tool_use` when it made calls and was not cut short."""
+        """Why the answer ended: `tool_use` when it made calls and was not cut short. `calls`:
+        the calls begun; only those the reader counts whole are made (a stop sequence met inside
+        a forced call's JSON leaves it unmade)."""
         if final.finish_reason == "length":
             if final.completion_tokens < self.max_tokens:
                 return "model_context_window_exceeded"
             return "max_tokens"
+        if self.reader is not None:
+            calls = min(calls, self.reader.calls)
         if calls:
             return "tool_use"
         return "stop_sequence" if final.stop_sequence is not None else "end_turn"

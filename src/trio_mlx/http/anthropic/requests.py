@@ -296,6 +296,23 @@ class CountTokensRequest(_Body):
     thinking: ThinkingConfig | None = None
 
 
+class JSONOutputFormat(_Body):
+    """Structured output: the answer's text is JSON valid against `schema` (generated under
+    its grammar, as the OpenAI routes' `response_format`)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(_Body):
+    """`format`: structured output; `effort` is accepted and has no effect."""
+
+    format: JSONOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
 
@@ -306,3 +323,6 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[StopSequence] | None = None
     metadata: Metadata | None = None
     stream: bool = False
+    output_config: OutputConfig | None = None
+    #: The structured-outputs beta's spelling of `output_config.format`.
+    output_format: JSONOutputFormat | None = None
