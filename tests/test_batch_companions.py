@@ -95,6 +95,7 @@ def logprob_values(out: Any) -> list[float]:
     return [entry.logprob for entry in out.logprobs or ()]
 
 
+@pytest.mark.usefixtures("batch_pipeline")
 @pytest.mark.parametrize("max_kv_size", [None, 24])
 @pytest.mark.parametrize("seed", [3, 11])
 async def test_each_request_gives_alone_what_it_gives_with_any_companions(

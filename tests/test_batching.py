@@ -57,6 +57,7 @@ async def assert_idle(engine: trio_mlx.Engine) -> None:
     assert stats["kv_reserved_bytes"] == 0
 
 
+@pytest.mark.usefixtures("batch_pipeline")
 async def test_eight_prompts_in_one_batch_equal_each_alone(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -90,6 +91,7 @@ async def test_eight_prompts_in_one_batch_equal_each_alone(
         await assert_idle(engine)
 
 
+@pytest.mark.usefixtures("batch_pipeline")
 async def test_arrivals_while_a_batch_decodes(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,6 +137,7 @@ async def short_one(
     results[name] = (await engine.generate(prompt, **sampling)).tokens
 
 
+@pytest.mark.usefixtures("batch_pipeline")
 async def test_an_abort_and_a_stop_string_mid_batch_leave_the_others_alone(
     tiny_model_dir: Path,
 ) -> None:
@@ -209,6 +212,7 @@ def partial_run(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return call
 
 
+@pytest.mark.usefixtures("batch_pipeline")
 async def test_prefix_cache_hits_inside_a_batch_equal_uncached_output(
     tiny_model_dir: Path,
 ) -> None:

@@ -158,6 +158,7 @@ def batched_run(
     return tokens, finish, Counted.passes
 
 
+@pytest.mark.usefixtures("batch_pipeline")
 @pytest.mark.parametrize("max_tokens", [7, 120])
 def test_a_lone_batched_row_jumps_forward_with_the_same_tokens(
     tiny_model_dir: Path, max_tokens: int
@@ -171,6 +172,7 @@ def test_a_lone_batched_row_jumps_forward_with_the_same_tokens(
         assert on_passes < off_passes * 0.7
 
 
+@pytest.mark.usefixtures("batch_pipeline")
 def test_a_companion_joining_ends_the_jumps_and_both_keep_their_tokens(
     tiny_model_dir: Path,
 ) -> None:

@@ -55,6 +55,7 @@ def step(batch: BatchDecoder, tokens: dict[int, list[int]], kinds: list[str]) ->
         tokens.setdefault(result.seq.request_id, []).extend(result.tokens)
 
 
+@pytest.mark.usefixtures("batch_pipeline")
 def test_a_lone_row_joined_and_left_keeps_every_sequence_token_for_token(
     loaded: LoadedModel,
 ) -> None:
@@ -80,10 +81,12 @@ def test_a_lone_row_joined_and_left_keeps_every_sequence_token_for_token(
     assert tokens[2] == alone(loaded, SHORT, 4)
 
 
-def test_a_finished_lone_row_hands_over_its_cache_with_every_token_fed(
-    loaded: LoadedModel,
+def test_a_finished_lone_row_hands_over_its_cache_with_its_fed_tokens(
+    loaded: LoadedModel, batch_pipeline: bool
 ) -> None:
-    """The lone row's cache is the one its snapshot is taken from: it holds the fed tokens."""
+    """The lone row's cache is the one its snapshot is taken from: it holds the fed tokens,
+    every generated one where pipelined (the last was fed to the step queued before it was
+    read), all but the last where each step is read at once (no step after the last)."""
     batch = decoder(loaded)
     tokens: dict[int, list[int]] = {}
     admit(batch, 1, SHORT, 6)
@@ -95,7 +98,8 @@ def test_a_finished_lone_row_hands_over_its_cache_with_every_token_fed(
                 finished.append(result.seq)
     (seq,) = finished
     assert seq.cache is not None and type(seq.cache[0]) is KVCache
-    assert seq.cache[0].offset == len(seq.fed_tokens()) == len(SHORT) + 6
+    fed = len(SHORT) + (6 if batch_pipeline else 5)
+    assert seq.cache[0].offset == len(seq.fed_tokens()) == fed
     assert not batch.solo and batch._cache == []
 
 

@@ -28,7 +28,11 @@ then stays in the batch cache, which that step takes.
 failed) leave the batch (`filter`); the next step's forward pass is queued on the device
 (`mx.async_eval`); then the previous step's tokens are read and returned. So the device computes
 step k while the host reads step k - 1 and builds step k + 1 (the pipelining of mlx-lm's
-`GenerationBatch`); a finished row costs one wasted row in the step already queued.
+`GenerationBatch`); a finished row costs one wasted row in the step already queued. Where that
+does not pay (`pipelined` False: MLX's CPU backend, whose `async_eval` computes most of a step
+before it returns, so a step queued before the last one is read delays every token by a step
+and computes a wasted step for every finish), each step is read as soon as it is queued, its
+tokens the rows' `pending` inputs of the next.
 
 Per sequence, as on the serialized route (`decode.ActiveSequence`): its own token choice
 (`batch_choice`: its sampling, processors, logit bias and logprobs; plain greedy rows by one
@@ -112,6 +116,19 @@ class QueuedStep:
         self.pieces = pieces
 
 
+def pipelining_pays() -> bool:
+    """Whether queuing the next step before reading the last one overlaps anything: on a GPU
+    the device computes while the host builds; MLX's CPU backend computes a step inside
+    `async_eval` (SmolLM2-135M: ~97 of its ~124 ms there), so queuing first only makes every
+    token wait for the next step. `TRIO_MLX_BATCH_PIPELINE` `on` / `off` overrides."""
+    import os
+
+    forced = os.environ.get("TRIO_MLX_BATCH_PIPELINE", "").strip().lower()
+    if forced in ("on", "off"):
+        return forced == "on"
+    return bool(mx.default_device() == mx.gpu)
+
+
 class BatchDecoder:
     """The decode batch and the sequences waiting to join it (see the module docstring)."""
 
@@ -138,8 +155,12 @@ class BatchDecoder:
         split_at_store_points: bool = True,
         compiled: CompiledDecode | None = None,
         padded_prefill: bool | None = None,
+        pipelined: bool | None = None,
     ) -> None:
         self._model = model
+        #: the next step is queued before the last one is read (None: where that pays,
+        #: `pipelining_pays`); else each step is read as soon as it is queued
+        self.pipelined = pipelining_pays() if pipelined is None else pipelined
         self._compiled = compiled  # the traced batch step, where the batch's cache fits it
         #: a lone row on its own cache, except where the traced step wants a batch cache
         self._solo_rows = self.solo_rows and compiled is None
@@ -241,16 +262,20 @@ class BatchDecoder:
     # ---- decode -------------------------------------------------------------------------------
 
     def decode(self) -> list[RowResult]:
-        """One step: drop removed rows, queue the next forward pass, read the previous one."""
+        """One step: drop removed rows, queue the next forward pass, read the previous one; not
+        `pipelined`, read the step just queued as well (module docstring)."""
         self._drop_removed()
         try:
             queued = self._queue_step() if self.rows else None
             results = self._read(self._queued) if self._queued is not None else []
             if queued is not None and queued.tokens is None:
                 self._inputs = choose_constrained(queued, self._choice.row)
+            self._queued = queued
+            if queued is not None and not self.pipelined:
+                self._queued = None
+                results += self._read(queued, fed=False)
         except Exception as exc:
             return self._fail_batch(exc)
-        self._queued = queued
         return results
 
     def _queue_step(self) -> QueuedStep:
@@ -351,12 +376,11 @@ class BatchDecoder:
         """One row decodes, on its own cache, under a grammar that forced its last token, greedy
         with nothing but its mask shaping the choice (`batch_jump.can_jump`), a step queued:
         `jump` may replace `decode`."""
-        return (
-            self.jump_forward
-            and self._queued is not None
-            and self._queued.tokens is not None
-            and can_jump(self.rows, self._cache, solo=self.solo)
-        )
+        if self._queued is not None:
+            stepped = self._queued.tokens is not None
+        else:  # not pipelined: the step was read, the row's token is its pending input
+            stepped = any(s.pending is not None for s in self.rows if not s.removed)
+        return self.jump_forward and stepped and can_jump(self.rows, self._cache, solo=self.solo)
 
     def jump(self) -> list[RowResult]:
         """One jump-forward step for the batch's only row, instead of `decode`
@@ -376,6 +400,9 @@ class BatchDecoder:
         for i, read in enumerate(results):
             if read.seq is seq:  # the token read, then the run
                 results[i] = RowResult(seq, (*read.tokens, *out.run), out.finish)
+                break
+        else:  # not pipelined: its token was read (and returned) by the last `decode`
+            results.append(RowResult(seq, tuple(out.run), out.finish))
         if out.finish is not None:
             self._finish_row(seq)
             return results

@@ -21,6 +21,7 @@ from trio_mlx.engine.padded_attention import padded_forward
 from trio_mlx.engine.prefill_shapes import PADDED_UP_TO, key_width, pass_size, reserve
 from trio_mlx.engine.prompt_cache import make_cache, without_kept_tokens
 from trio_mlx.engine.sampling import TokenSelector
+from trio_mlx.engine.scheduling import with_the_rest
 
 
 class BatchSequence:
@@ -143,7 +144,7 @@ class BatchSequence:
         if remaining <= 0:
             return 0, ()
         block = self._plan.block
-        n = min(limit, self._plan.step, remaining)
+        n = min(with_the_rest(limit, remaining), self._plan.step, remaining)
         if self._split and self._store_points:
             n = min(n, self._store_points[0] - self.prompt_done)
         padded = self._padded and block > 1

@@ -75,6 +75,7 @@ from trio_mlx.engine.generation_job import (
 from trio_mlx.engine.padded_attention import forward_run, padded_attention_default
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
+from trio_mlx.engine.scheduling import with_the_rest
 from trio_mlx.structured import masked_choice
 from trio_mlx.structured.forced_runs import MAX_RUN, forced_run
 
@@ -200,7 +201,7 @@ class ActiveSequence:
         if remaining > 1 and not fuse_tail:
             n = min(plan.step, remaining - 1)
             if prefill_limit is not None:
-                n = min(n, max(prefill_limit, plan.block))
+                n = min(n, max(with_the_rest(prefill_limit, remaining - 1), plan.block))
             n -= n % plan.block  # >= one block: remaining > the tail >= a block
             points = self._store_points
             if points and self._split:

@@ -41,6 +41,10 @@ FIT_MIN = 2
 #: A chunk may take this much more than a pass's fixed cost even when the budget is smaller.
 OVERHEAD_SLACK = 0.25
 
+#: A chunk takes the rest of the prompt along when that rest is at most this share of it
+#: (`with_the_rest`); a chunk then takes at most this much longer than its budget.
+REST_SHARE = 0.5
+
 #: While sequences decode, a chunk's budget in their step times (`PrefillPacer.decode_share`).
 DEFAULT_DECODE_SHARE = 2.0
 
@@ -134,6 +138,15 @@ class PrefillPacer:
             self.decode_step = seconds
         else:
             self.decode_step = _blend(self.decode_step, seconds, 0.2)
+
+
+def with_the_rest(limit: int, remaining: int) -> int:
+    """A chunk of at most `limit` tokens, stretched to take the whole of a prompt's `remaining`
+    tokens where the rest would be at most `REST_SHARE` of a chunk: a pass of a few tokens costs
+    about a pass's fixed cost (on a 2-core CPU ~60-100 ms for SmolLM2-135M), so a prompt just
+    over one chunk would otherwise take a second pass for its last few tokens, and the rate
+    learned from that pass would shrink the next chunks."""
+    return remaining if remaining <= limit * (1 + REST_SHARE) else limit
 
 
 def _blend(old: float, new: float, weight: float) -> float:
