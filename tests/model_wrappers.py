@@ -121,19 +121,23 @@ class PausingModel(_Wrapped):
 
 def break_the_runner_loop(monkeypatch: Any, at_call: int = 3) -> None:
     """Make the runner's own loop (not the model) raise on its `at_call`-th command batch, which
-    kills the runner thread: the engine can no longer serve."""
-    from trio_mlx.actors import serial_loop
+    kills the runner thread: the engine can no longer serve. Either route's loop (the serialized
+    route's `_take_commands`, the batched route's `_apply`)."""
+    from trio_mlx.actors import batch_loop, serial_loop
 
-    original = serial_loop._take_commands
     calls = {"n": 0}
 
-    def dying(runner: Any, live: Any, loaded: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == at_call:
-            raise RuntimeError("the runner loop itself broke")
-        return original(runner, live, loaded)
+    def dying(original: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                raise RuntimeError("the runner loop itself broke")
+            return original(*args)
 
-    monkeypatch.setattr(serial_loop, "_take_commands", dying)
+        return call
+
+    monkeypatch.setattr(serial_loop, "_take_commands", dying(serial_loop._take_commands))
+    monkeypatch.setattr(batch_loop, "_apply", dying(batch_loop._apply))
 
 
 class RecordingModel(_Wrapped):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,13 @@ def test_book_release_is_idempotent() -> None:
     assert book.statistics().running == 1
 
 
-# ---- through the engine ---------------------------------------------------------------------
+# ---- through the engine: one slot (`max_num_seqs=1`, the serialized route) ---------------------
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path) -> AsyncIterator[trio_mlx.Engine]:
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
+        yield engine
 
 
 async def test_a_second_request_fails_fast_while_the_first_holds_the_slot(
@@ -78,7 +85,7 @@ async def test_a_second_request_fails_fast_while_the_first_holds_the_slot(
 async def test_waiting_requests_are_served_in_order_and_a_full_queue_refuses(
     tiny_model_dir: Path,
 ) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir, max_waiting=2) as engine:
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1, max_waiting=2) as engine:
         order: list[str] = []
         release = trio.Event()
 
@@ -116,7 +123,9 @@ async def test_waiting_requests_are_served_in_order_and_a_full_queue_refuses(
 async def test_a_waiter_whose_deadline_passes_is_refused_and_leaves_the_queue(
     tiny_model_dir: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir, max_waiting=1, max_wait=5.0) as engine:
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=1, max_waiting=1, max_wait=5.0
+    ) as engine:
         async with engine.open_stream(engine.prepare_generate(PROMPT, max_tokens=2)) as stream:
             async for _ in stream:
                 pass
@@ -133,7 +142,7 @@ async def test_a_waiter_whose_deadline_passes_is_refused_and_leaves_the_queue(
 async def test_a_cancelled_waiter_leaves_the_queue_without_taking_the_slot(
     tiny_model_dir: Path,
 ) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir, max_waiting=1) as engine:
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1, max_waiting=1) as engine:
         async with engine.open_stream(engine.prepare_generate(PROMPT, max_tokens=2)) as stream:
 
             async def cancel_once_queued(waiter: trio.CancelScope) -> None:

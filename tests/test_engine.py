@@ -53,8 +53,9 @@ async def test_greedy_chat_equals_mlx_lm_with_the_chat_template(
 async def test_token_id_prompts_and_chunked_prefill_give_the_same_output(
     tiny_model_dir: Path,
 ) -> None:
-    # Here on the CPU the last prompt token goes alone, as mlx-lm feeds it.
-    async with trio_mlx.open_engine(tiny_model_dir, prefill_step_size=4) as engine:
+    # The serialized route's prefill plan. Here on the CPU the last prompt token goes alone, as
+    # mlx-lm feeds it.
+    async with trio_mlx.open_engine(tiny_model_dir, prefill_step_size=4, max_num_seqs=1) as engine:
         ids = list(engine.prepare_generate(PROMPT).prompt_tokens)
         chunked = await engine.generate(ids, max_tokens=16, temperature=0.0)
         stats = engine.get_stats()
@@ -63,7 +64,7 @@ async def test_token_id_prompts_and_chunked_prefill_give_the_same_output(
     # With a fused tail (the GPU default): chunks of 4 until at most 4 tokens are left, and those
     # go with the first token's forward pass.
     async with trio_mlx.open_engine(
-        tiny_model_dir, prefill_step_size=4, fused_tail_tokens=4
+        tiny_model_dir, prefill_step_size=4, fused_tail_tokens=4, max_num_seqs=1
     ) as engine:
         fused = await engine.generate(ids, max_tokens=16, temperature=0.0)
         stats = engine.get_stats()

@@ -88,7 +88,9 @@ async def test_a_waiter_is_refused_when_the_engine_closes(tiny_model_dir: Path) 
 
     with trio.fail_after(20):
         async with trio.open_nursery() as outer:
-            async with trio_mlx.open_engine(tiny_model_dir, max_waiting=1) as engine:
+            async with trio_mlx.open_engine(
+                tiny_model_dir, max_num_seqs=1, max_waiting=1
+            ) as engine:
                 async with engine.open_stream(engine.prepare_generate(PROMPT, max_tokens=2)):
                     outer.start_soon(wait_for_slot, engine)
                     await trio.testing.wait_all_tasks_blocked()
@@ -147,12 +149,13 @@ async def test_a_model_fault_mid_decode_ends_the_stream_with_an_error(tiny_model
         assert short.completion_tokens == 3
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 4], ids=["serialized", "batched"])
 async def test_a_dead_runner_thread_fails_requests_and_the_engine_says_so(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int
 ) -> None:
     break_the_runner_loop(monkeypatch)
     with pytest.raises(trio_mlx.EngineCrashed, match="the runner loop itself broke"):
-        async with trio_mlx.open_engine(tiny_model_dir) as engine:
+        async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=max_num_seqs) as engine:
             outputs = [o async for o in engine.stream_generate(PROMPT, max_tokens=50)]
             assert outputs[-1].finish_reason == "error"
             assert "crashed" in (outputs[-1].error or "")

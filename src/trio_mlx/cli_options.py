@@ -130,7 +130,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="sequences decoding together, one forward pass per step (continuous batching); "
-        "1: one at a time (default: 1 on the CPU, 64 on a GPU)",
+        "1: one at a time (default: 8 on the CPU, 64 on a GPU)",
     )
     parser.add_argument(
         "--kv-memory-mb",

@@ -48,9 +48,9 @@ class EngineConfig:
       reused by later requests that start with the same tokens). None: half the size of the
       model's weights, between 256 MiB and 8 GiB; 0 disables the cache.
     - `max_num_seqs`: up to this many sequences decode together, one forward pass per step
-      (continuous batching); 1 is the serialized route, one generation at a time. None: 1 on the
-      CPU (MLX's CPU step time grows linearly with the batch, so batching cannot pay there) and
-      `batch_sizing.GPU_MAX_NUM_SEQS` on a GPU.
+      (continuous batching); 1 is the serialized route, one generation at a time. None:
+      `batch_sizing.GPU_MAX_NUM_SEQS` (64) on a GPU, `batch_sizing.CPU_MAX_NUM_SEQS` (8) on the
+      CPU (where the aggregate stops growing much past 8 while each stream slows).
     - `kv_memory_bytes`: memory budget for the running sequences' KV caches, each counted at its
       token limit (prompt + max_tokens, bounded by `max_kv_size`); admission queues or refuses a
       request that would exceed it. None: half of the device's memory left after the weights

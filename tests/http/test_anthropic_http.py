@@ -451,7 +451,9 @@ async def test_a_busy_engine_is_429_rate_limit_error_with_retry_after(
 ) -> None:
     loader, made = wrapping_loader(GatedModel)
     async with (
-        running_server(tiny_model_dir, loader=loader, admission="fail-fast") as server,
+        running_server(
+            tiny_model_dir, loader=loader, admission="fail-fast", max_num_seqs=1
+        ) as server,
         claude_for(server) as claude,
         trio.open_nursery() as nursery,
     ):

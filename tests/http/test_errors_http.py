@@ -150,7 +150,7 @@ async def test_body_size_limit(tiny_model_dir: Path) -> None:
 async def test_busy_engine_is_429_with_retry_after(tiny_model_dir: Path) -> None:
     loader, made = wrapping_loader(GatedModel)
     async with (
-        running_server(tiny_model_dir, loader=loader) as server,
+        running_server(tiny_model_dir, loader=loader, max_num_seqs=1) as server,
         httpx.AsyncClient(base_url=server.url, timeout=30) as http,
         trio.open_nursery() as nursery,
     ):

@@ -7,12 +7,18 @@ import mlx.core as mx
 
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
 GPU_MAX_NUM_SEQS = 64
+#: `max_num_seqs` on MLX's CPU backend when none is configured. With float32 weights through
+#: OpenBLAS (`cpu_path`) a step's matrix products read each weight once for all its rows, so a
+#: step of 8 costs far less than 8 steps of 1: SmolLM2-135M on 2 cores, 8 streams at once, 37-48
+#: tok/s aggregate batched against 11-12 serialized, each stream's ITL 120 ms against 62-83 ms
+#: alone (`bench.token_path`, docs/benchmarks/2026-12-05-cpu-max-num-seqs-smollm2.md). Past 8
+#: the aggregate barely grows there (53 tok/s at 32) while every stream slows (ITL 341 ms).
+CPU_MAX_NUM_SEQS = 8
 
 
 def default_max_num_seqs() -> int:
-    """1 on MLX's CPU backend (its step time grows linearly with the batch: 191 ms at 1 sequence,
-    1,291 ms at 8 on SmolLM2-135M), `GPU_MAX_NUM_SEQS` on a GPU."""
-    return GPU_MAX_NUM_SEQS if mx.default_device() == mx.gpu else 1
+    """`GPU_MAX_NUM_SEQS` on a GPU, `CPU_MAX_NUM_SEQS` on MLX's CPU backend."""
+    return GPU_MAX_NUM_SEQS if mx.default_device() == mx.gpu else CPU_MAX_NUM_SEQS
 
 
 def device_memory_bytes() -> int:
