@@ -58,7 +58,9 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
 
 
 def thread_role(key: str, pid: int) -> str:
-    """'trio' (the main thread: the event loop), 'runner', or 'other' (MLX's and the BLAS's)."""
+    """'trio' (the main thread: the event loop), 'runner' (the runner thread and the threads
+    started from it, which take its OS name: on the CPU, MLX's and the BLAS's, so there it is
+    the model's compute too), or 'other'."""
     name, tid = key.rsplit("/", 1)
     if int(tid) == pid:
         return "trio"

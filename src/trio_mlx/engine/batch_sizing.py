@@ -8,11 +8,10 @@ import mlx.core as mx
 #: `max_num_seqs` on a GPU when none is configured (see the README's "Many users at once").
 GPU_MAX_NUM_SEQS = 64
 #: `max_num_seqs` on MLX's CPU backend when none is configured. With float32 weights through
-#: OpenBLAS (`cpu_path`) a step's matrix products read each weight once for all its rows, so a
-#: step of 8 costs far less than 8 steps of 1: SmolLM2-135M on 2 cores, 8 streams at once, 37-48
-#: tok/s aggregate batched against 11-12 serialized, each stream's ITL 120 ms against 62-83 ms
-#: alone (`bench.token_path`, docs/benchmarks/2026-12-05-cpu-max-num-seqs-smollm2.md). Past 8
-#: the aggregate barely grows there (53 tok/s at 32) while every stream slows (ITL 341 ms).
+#: OpenBLAS (`cpu_path`) a decode step is bound by reading the weights, which a step reads once
+#: for all its rows: SmolLM2-135M on 2 cores, 8 streams at once, 52 tok/s aggregate batched
+#: against 12 serialized, each stream's ITL ~118 ms against ~77 alone (`bench.token_path`,
+#: docs/benchmarks/2026-12-05-cpu-max-num-seqs-smollm2.md). 16 slots did not beat 8 there.
 CPU_MAX_NUM_SEQS = 8
 
 
