@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import aclosing
 from pathlib import Path
 
+import pytest
 import trio
 
 import trio_mlx
@@ -17,24 +18,30 @@ from servers import eventually
 PROMPT = "In a hole in the ground there lived a hobbit."
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 4], ids=["serialized", "batched"])
 async def test_cancelling_mid_decode_frees_the_runner_within_one_step(
-    engine: trio_mlx.Engine,
+    tiny_model_dir: Path, max_num_seqs: int
 ) -> None:
-    received = 0
-    with trio.CancelScope() as scope:
-        async for out in engine.stream_generate(PROMPT, max_tokens=900, temperature=0.0):
-            received += len(out.new_tokens)
-            if received >= 5:
-                scope.cancel()
-    assert scope.cancelled_caught
-    steps_at_abort = engine.get_stats()["runner"]["steps"]
-    await wait_until_idle(engine)
-    stats = engine.get_stats()
-    assert stats["runner"]["steps"] <= steps_at_abort + 1
-    assert stats["runner"]["aborted"] == 1
-    assert stats["finished"] == {"abort": 1}
-    # The next request is admitted at once (fail-fast mode would refuse it otherwise).
-    assert (await engine.generate(PROMPT, max_tokens=3, temperature=0.0)).completion_tokens == 3
+    # The serialized route counts its decode steps as `steps`; the batched route counts a loop
+    # pass as a step even when it has nothing left to compute, so its `decode_steps` are counted.
+    counter = "steps" if max_num_seqs == 1 else "decode_steps"
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=max_num_seqs) as engine:
+        received = 0
+        with trio.CancelScope() as scope:
+            async for out in engine.stream_generate(PROMPT, max_tokens=900, temperature=0.0):
+                received += len(out.new_tokens)
+                if received >= 5:
+                    scope.cancel()
+        assert scope.cancelled_caught
+        steps_at_abort = engine.get_stats()["runner"][counter]
+        await wait_until_idle(engine)
+        stats = engine.get_stats()
+        assert stats["runner"][counter] <= steps_at_abort + 1
+        assert stats["runner"]["aborted"] == 1
+        assert stats["finished"] == {"abort": 1}
+        # The next request is admitted at once (fail-fast mode would refuse it otherwise).
+        again = await engine.generate(PROMPT, max_tokens=3, temperature=0.0)
+        assert again.completion_tokens == 3
 
 
 async def test_cancelling_mid_prefill_stops_between_chunks(tiny_model_dir: Path) -> None:

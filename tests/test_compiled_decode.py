@@ -175,11 +175,13 @@ async def test_the_engine_gives_the_plain_tokens_with_the_prefix_cache_and_abort
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     steps = CountingSteps(monkeypatch)
-    async with trio_mlx.open_engine(tiny_model_dir, compiled_decode=True) as engine:
+    async with trio_mlx.open_engine(tiny_model_dir, compiled_decode=True, max_num_seqs=1) as engine:
         compiled = await _script(engine)
     assert steps.calls > 200
     calls = steps.calls
-    async with trio_mlx.open_engine(tiny_model_dir, compiled_decode=False) as engine:
+    async with trio_mlx.open_engine(
+        tiny_model_dir, compiled_decode=False, max_num_seqs=1
+    ) as engine:
         plain = await _script(engine)
     assert steps.calls == calls  # the plain engine never traced
     assert compiled == plain

@@ -327,7 +327,7 @@ async def test_an_abort_during_vision_encoding_frees_the_slot_and_stops_there(
 ) -> None:
     entered, release = threading.Event(), threading.Event()
     async with trio_mlx.open_engine(
-        tiny_vlm_dir, loader=_blocking_vision_loader(entered, release)
+        tiny_vlm_dir, loader=_blocking_vision_loader(entered, release), max_num_seqs=1
     ) as engine:
         request = await engine.prepare_chat_async(image_message(data_url(png(0))), max_tokens=50)
         async with engine.open_stream(request):

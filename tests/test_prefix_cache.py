@@ -237,7 +237,7 @@ async def test_the_system_prompt_is_stored_without_splitting_the_prefill(
     # of the next request rides with its first token, as on a GPU (`fused_tail_tokens`).
     # Chunks cut by the plan alone, not by a pace measured on a busy machine.
     async with trio_mlx.open_engine(
-        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0
+        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0, max_num_seqs=1
     ) as engine:
         request = engine.prepare_chat([SYSTEM, user(USERS[0])], max_tokens=4, temperature=0.0)
         assert request.system_prefix is not None
@@ -258,7 +258,7 @@ async def test_a_short_chat_stores_its_system_prompt_from_the_first_token_step(
     system = {"role": "system", "content": "Be brief."}
     # Chunks cut by the plan alone, not by a pace measured on a busy machine.
     async with trio_mlx.open_engine(
-        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0
+        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0, max_num_seqs=1
     ) as engine:
         request = engine.prepare_chat([system, user("Hi")], max_tokens=3, temperature=0.0)
         assert request.system_prefix is not None and len(request.prompt_tokens) <= 64
@@ -304,7 +304,7 @@ async def test_the_first_token_is_handed_over_before_the_system_prompt_is_snapsh
     system = {"role": "system", "content": "Be brief."}
     # Chunks cut by the plan alone, not by a pace measured on a busy machine.
     async with trio_mlx.open_engine(
-        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0
+        tiny_model_dir, fused_tail_tokens=64, prefill_chunk_seconds=60.0, max_num_seqs=1
     ) as engine:
         out = await engine.chat([system, user("Hi")], max_tokens=3, temperature=0.0)
     assert out.finish_reason == "length" and len(out.tokens) == 3

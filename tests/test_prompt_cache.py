@@ -65,7 +65,7 @@ async def test_engine_with_max_kv_size_matches_mlx_lm_with_rotating_caches(
     tiny_model_dir: Path, loaded: tuple[Any, Any]
 ) -> None:
     model, tokenizer = loaded
-    async with trio_mlx.open_engine(tiny_model_dir, max_kv_size=16) as engine:
+    async with trio_mlx.open_engine(tiny_model_dir, max_kv_size=16, max_num_seqs=1) as engine:
         prompt = list(engine.prepare_generate(PROMPT).prompt_tokens)
         assert len(prompt) < 16
         bounded = await engine.generate(prompt, max_tokens=48, temperature=0.0)

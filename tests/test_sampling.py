@@ -226,7 +226,7 @@ async def test_reasoning_is_split_from_the_answer_while_streaming(tiny_model_dir
 
 
 async def test_a_rotating_kv_cache_matches_mlx_lm_past_its_size(tiny_model_dir: Path) -> None:
-    async with trio_mlx.open_engine(tiny_model_dir, max_kv_size=32) as engine:
+    async with trio_mlx.open_engine(tiny_model_dir, max_kv_size=32, max_num_seqs=1) as engine:
         prompt = list(engine.prepare_generate(PROMPT).prompt_tokens)
         out = await engine.generate(prompt, max_tokens=60, temperature=0.0)
     model, _ = mlx_lm.load(str(tiny_model_dir))

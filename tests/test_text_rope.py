@@ -137,7 +137,7 @@ async def test_a_video_request_decodes_the_tokens_of_mlx_vlms_mrope(
     async def video_turn(engine: trio_mlx.Engine) -> list[int]:
         return (await engine.chat(TEXT, videos=[str(video)], **GREEDY)).tokens
 
-    fused, plain = await run_both(qwen2_5_vl_dir, video_turn, rotations)
+    fused, plain = await run_both(qwen2_5_vl_dir, video_turn, rotations, max_num_seqs=1)
     assert fused == plain
 
 
@@ -191,7 +191,9 @@ async def test_an_abort_mid_decode_leaves_the_next_request_as_alone(
     async def ask(engine: trio_mlx.Engine) -> list[int]:
         return (await engine.chat(image_message(data_url(png(7))), **GREEDY)).tokens
 
-    after_abort, plain_after_abort = await run_both(tiny_vlm_dir, abort_then_ask, rotations)
-    async with trio_mlx.open_engine(tiny_vlm_dir) as engine:  # the CPU default: MRoPE
+    after_abort, plain_after_abort = await run_both(
+        tiny_vlm_dir, abort_then_ask, rotations, max_num_seqs=1
+    )
+    async with trio_mlx.open_engine(tiny_vlm_dir, max_num_seqs=1) as engine:  # MRoPE on the CPU
         alone = await ask(engine)
     assert after_abort == plain_after_abort == alone

@@ -38,6 +38,8 @@ def test_sigterm_under_load_drains_every_stream(tiny_model_dir: Path, long_run: 
         str(clients),
         "--shutdown-timeout",
         "60",
+        "--max-num-seqs",
+        "1",  # one stream running, the others queued
     ) as (process, url):
         started = threading.Barrier(clients + 1, timeout=60)
 
