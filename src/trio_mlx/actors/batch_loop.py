@@ -117,11 +117,13 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 pacer.observe_decode(time.perf_counter() - began)
                 counters.decode_steps += 1
                 counters.batch_sizes[rows] = counters.batch_sizes.get(rows, 0) + 1
+            counters.live = batch.live + len(lane)  # before the finishes reach Trio
             runner._emit(events, stores)
             events, stores = [], []
             decode_seconds = time.perf_counter() - began
         if lane:
             lane.step(batch.decoding, 1, events, stores)
+            counters.live = batch.live + len(lane)  # before the finishes reach Trio
             runner._emit(events, stores)
             events, stores = [], []
         if batch.waiting:
@@ -152,6 +154,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                     pacer.observe_chunk(prefilled, time.perf_counter() - chunk_began)
                 counters.prefill_chunks += 1
             counters.prompt_tokens += prefilled
+            counters.live = batch.live + len(lane)  # before the finishes reach Trio
             runner._emit(events, stores)
             prefill_seconds = time.perf_counter() - chunk_began
             joined = batch.join()
