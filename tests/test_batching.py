@@ -364,3 +364,43 @@ async def test_a_prefill_failure_fails_only_its_own_request(tiny_model_dir: Path
         assert engine.get_stats()["runner"]["failed"] == 1
         await assert_idle(engine)
         assert (await engine.generate(PROMPTS[0], **sampling)).finish_reason == "length"
+
+
+class CallCounter:
+    """A logits processor that never retires and changes nothing: counts its calls and the
+    history length of each."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        self.lengths.append(int(tokens.shape[0]))
+        return logits
+
+
+@pytest.mark.usefixtures("batch_pipeline")
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+async def test_a_processor_is_called_once_per_token_to_a_length_finish(
+    tiny_model_dir: Path, max_num_seqs: int
+) -> None:
+    """A stateful processor sees exactly one call per token chosen, none for a step after its
+    request's last token (a pipelined batch queues the next step before reading the last one:
+    a row whose token in flight is its last is chosen without its processors), alone and beside
+    a companion that keeps the batch stepping."""
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=max_num_seqs, admission="wait", max_waiting=2
+    ) as engine:
+        prompt_length = len(engine.prepare_generate(PROMPTS[1]).prompt_tokens)
+        for companion in (False, True):
+            counter = CallCounter()
+            async with trio.open_nursery() as nursery:
+                if companion:
+                    nursery.start_soon(
+                        lambda: engine.generate(PROMPTS[3], max_tokens=24, temperature=0.0)
+                    )
+                out = await engine.generate(
+                    PROMPTS[1], max_tokens=6, temperature=0.0, logits_processors=[counter]
+                )
+            assert out.finish_reason == "length" and len(out.tokens) == 6
+            assert counter.lengths == [prompt_length + i for i in range(6)]
+        await assert_idle(engine)

@@ -280,6 +280,7 @@ class BatchDecoder:
 
     def _queue_step(self) -> QueuedStep:
         rows = list(self.rows)
+        spent = self._spent(rows)
         for seq in rows:
             seq.prompt_done = len(seq.job.prompt_tokens)
             if seq.pending is not None:
@@ -298,14 +299,29 @@ class BatchDecoder:
         if self.steps % 256 == 0:
             mx.clear_cache()
         if any(seq.grammar is not None for seq in rows):
-            pieces, logprobs = self._choice.pieces(rows, logits, skip_constrained=True)
+            pieces, logprobs = self._choice.pieces(rows, logits, skip_constrained=True, spent=spent)
             ready = [p for p in pieces if p is not None]
             mx.async_eval(logits, *ready, *(a for p in logprobs.values() for a in p.arrays()))
             return QueuedStep(rows, None, logprobs, logits=logits, pieces=pieces)
-        tokens, logprobs = self._choice.tokens(rows, logits)
+        tokens, logprobs = self._choice.tokens(rows, logits, spent)
         self._inputs = tokens
         mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
         return QueuedStep(rows, tokens, logprobs)
+
+    def _spent(self, rows: list[BatchSequence]) -> frozenset[int]:
+        """The rows (indices) whose token in the step still in flight is their last by
+        `max_tokens`: the step being queued is wasted on them (it is never read), so their
+        processors and selector must not see it (`batch_choice`). Empty unless pipelined."""
+        if self._queued is None:
+            return frozenset()
+        in_flight = {id(seq) for seq in self._queued.rows}
+        return frozenset(
+            i
+            for i, seq in enumerate(rows)
+            if not seq.plain
+            and id(seq) in in_flight
+            and seq.generated + 1 >= seq.job.params.max_tokens
+        )
 
     def _read(self, queued: QueuedStep, *, fed: bool = True) -> list[RowResult]:
         """The tokens of a queued step; `fed`: the step after it is queued already (so they

@@ -10,6 +10,11 @@ allowed) are chosen by one batched argmax, their biases stacked into one matrix 
 only when the rows change (`rows_changed`: the batch's rows changed, or a row's processors
 retired).
 
+Spent rows (`spent`: row indices whose token in flight is their last, in a pipelined batch that
+queues the next step before reading the last) are chosen by their logits' argmax alone: their
+token is never read, and their processors, selector and history see no call for it, as on the
+serialized route.
+
 Errors: a processor or sampler that raises fails its row only: its `failure` is set (the decoder
 reports it at the next read) and its token meanwhile is its logits' argmax.
 """
@@ -38,7 +43,9 @@ class BatchChoice:
         """The batch's rows, or which of them are plain, changed: rebuild the bias matrix."""
         self._bias_stale = True
 
-    def tokens(self, rows: list[BatchSequence], logits: Any) -> tuple[Any, dict[int, Any]]:
+    def tokens(
+        self, rows: list[BatchSequence], logits: Any, spent: frozenset[int] = frozenset()
+    ) -> tuple[Any, dict[int, Any]]:
         """The next token of every row (shape (B,), lazy), and the rows' logprob arrays."""
         greedy: Any = None
         if any(s.plain for s in rows):
@@ -46,7 +53,7 @@ class BatchChoice:
             greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
         if all(s.plain and not s.job.params.logprobs for s in rows):
             return greedy, {}
-        pieces, logprobs = self.pieces(rows, logits, greedy=greedy)
+        pieces, logprobs = self.pieces(rows, logits, greedy=greedy, spent=spent)
         return mx.concatenate(pieces), logprobs
 
     def pieces(
@@ -56,9 +63,10 @@ class BatchChoice:
         *,
         greedy: Any = None,
         skip_constrained: bool = False,
+        spent: frozenset[int] = frozenset(),
     ) -> tuple[list[Any], dict[int, Any]]:
         """Each row's token (shape (1,), lazy; None for a constrained row when
-        `skip_constrained`) and the rows' logprob arrays."""
+        `skip_constrained`; the argmax alone for a `spent` row) and the rows' logprob arrays."""
         if greedy is None and any(s.plain for s in rows):
             bias = self._bias_matrix(rows, logits.shape[-1])
             greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
@@ -67,6 +75,9 @@ class BatchChoice:
         for i, seq in enumerate(rows):
             if skip_constrained and seq.grammar is not None:
                 pieces.append(None)
+                continue
+            if i in spent:
+                pieces.append(mx.argmax(logits[i : i + 1], -1).astype(mx.uint32))
                 continue
             pieces.append(self.row(i, seq, logits[i : i + 1], greedy, logprobs))
         return pieces, logprobs
