@@ -322,12 +322,16 @@ def _blocking_vision_loader(entered: threading.Event, release: threading.Event) 
     return loader
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
 async def test_an_abort_during_vision_encoding_frees_the_slot_and_stops_there(
-    tiny_vlm_dir: Path,
+    tiny_vlm_dir: Path, max_num_seqs: int
 ) -> None:
+    """On both routes: the slot is free at once, and the runner drops the request at the step
+    boundary right after its encoding, before any of its prompt is prefilled (on the batched
+    route it would have joined the batch's waiting sequences by then)."""
     entered, release = threading.Event(), threading.Event()
     async with trio_mlx.open_engine(
-        tiny_vlm_dir, loader=_blocking_vision_loader(entered, release), max_num_seqs=1
+        tiny_vlm_dir, loader=_blocking_vision_loader(entered, release), max_num_seqs=max_num_seqs
     ) as engine:
         request = await engine.prepare_chat_async(image_message(data_url(png(0))), max_tokens=50)
         async with engine.open_stream(request):

@@ -12,7 +12,9 @@ The loop, top to bottom, once per step while anything is live:
 3. on a vision-language model, one step of each request with media in the media lane
    (`media_lane.MediaLane`): its vision step and its prefill beside the batch, then, where it
    can, it joins the batch to decode (`multimodal.joining`); where it cannot, it decodes there,
-   step for step beside the batch (see there why);
+   step for step beside the batch (see there why); then the commands queued meanwhile are
+   applied (a request aborted during its vision step leaves before any of its prompt is
+   prefilled);
 4. when sequences wait to join, one prefill chunk under the pacer's budget (`PrefillPacer`:
    measured time, held to a couple of decode steps while rows decode, so a long prompt arriving
    does not stall the streams already decoding, more when many wait beside a small batch; with
@@ -123,6 +125,9 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             decode_seconds = time.perf_counter() - began
         if lane:
             lane.step(batch.decoding, 1, events, stores)
+            # A vision step may take long: what was aborted meanwhile (a request that has just
+            # joined the batch's waiting sequences included) leaves before the prefill chunk.
+            events += _apply(runner, batch, lane)
             counters.live = batch.live + len(lane)  # before the finishes reach Trio
             runner._emit(events, stores)
             events, stores = [], []
