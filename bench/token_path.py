@@ -16,11 +16,14 @@ This measures that cost on any machine (a tiny model makes the model's own cost 
 How: `trio-mlx serve` in a subprocess per `--variant NAME=ARGS` (`--max-num-seqs` the highest
 concurrency, admission wait with no refusal before `--burst-timeout-s`, then the variant's own
 arguments: `--variant
-serialized="--max-num-seqs 1"` against `--variant batched=` compares the two routes), one warm-up
+serialized="--max-num-seqs 1"` against `--variant batched=` compares the two routes; leading
+`NAME=VALUE` words are the server's environment instead, so `--variant
+before="PYTHONPATH=/tmp/old/src"` against `--variant after=` compares two checkouts), one warm-up
 burst each, then for each repeat and concurrency a burst on each variant in turn (the order
 rotated from cell to cell, the same prompts for every variant of a cell) of streaming
 `/v1/chat/completions` requests (EOS banned through `logit_bias`, so each generates
-`--max-tokens`), read by a plain httpx SSE reader in this process. The server's threads' CPU
+`--max-tokens`; `--api` picks completions, Responses or Messages instead), read by a plain httpx
+SSE reader in this process. The server's threads' CPU
 time (`/proc/PID/task/*/stat`, user + system) is read before and after each burst; per thread:
 CPU ms, CPU µs per delivered token, and the share of the burst's wall time the thread was on a
 CPU. Also: SSE content events per token (below 1 when a slow consumer had its tokens coalesced),
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -69,6 +73,46 @@ def thread_role(key: str, pid: int) -> str:
     return "other"
 
 
+#: The streaming routes a burst can use: its path, and its request body for (model, messages,
+#: max_tokens, logit_bias). Only chat and completions take `logit_bias`: on the others a stream
+#: can end at EOS before `--max-tokens` (the figures are per delivered token either way).
+ROUTES = ("chat", "completions", "responses", "messages")
+
+
+def request_body(
+    api: str, model: str, messages: list[dict[str, str]], max_tokens: int, bias: dict[str, int]
+) -> tuple[str, dict[str, Any]]:
+    common = {"model": model, "temperature": 0.0, "stream": True}
+    if api == "chat":
+        body = {"messages": messages, "max_tokens": max_tokens, "logit_bias": bias}
+        return "/chat/completions", common | body | {"stream_options": {"include_usage": True}}
+    if api == "completions":
+        prompt = "\n".join(m["content"] for m in messages)
+        body = {"prompt": prompt, "max_tokens": max_tokens, "logit_bias": bias}
+        return "/completions", common | body | {"stream_options": {"include_usage": True}}
+    if api == "responses":
+        return "/responses", common | {"input": messages, "max_output_tokens": max_tokens}
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    turns = [m for m in messages if m["role"] != "system"]
+    return "/messages", common | {"system": system, "messages": turns, "max_tokens": max_tokens}
+
+
+def read_event(api: str, event: dict[str, Any]) -> tuple[bool, int | None]:
+    """Whether a stream's event carries text, and the completion tokens it reports (if any)."""
+    if api in ("chat", "completions"):
+        usage = event.get("usage")
+        choices = event.get("choices") or []
+        text = choices and (choices[0].get("delta", {}).get("content") or choices[0].get("text"))
+        return bool(text), usage["completion_tokens"] if usage else None
+    kind = event.get("type", "")
+    if api == "responses":
+        usage = (event.get("response") or {}).get("usage")
+        return kind == "response.output_text.delta", usage["output_tokens"] if usage else None
+    if kind == "message_delta":
+        return False, event["usage"]["output_tokens"]
+    return kind == "content_block_delta", None
+
+
 async def burst(
     base_url: str,
     model: str,
@@ -76,38 +120,31 @@ async def burst(
     max_tokens: int,
     eos: list[int],
     timeout_s: float,
+    api: str = "chat",
 ) -> dict[str, Any]:
     import httpx
     import trio
 
     results: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=len(prompts) + 4)
+    bias = {str(t): -100 for t in eos}
 
     async def one(client: httpx.AsyncClient, messages: list[dict[str, str]]) -> None:
-        body = {
-            "model": model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "logit_bias": {str(t): -100 for t in eos},
-        }
+        path, body = request_body(api, model, messages, max_tokens, bias)
         start = time.perf_counter()
         times: list[float] = []
         tokens = 0
-        async with client.stream("POST", f"{base_url}/chat/completions", json=body) as response:
+        async with client.stream("POST", base_url + path, json=body) as response:
             if response.status_code != 200:
                 results.append({"status": response.status_code})
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-                choices = event.get("choices") or []
-                if choices and choices[0].get("delta", {}).get("content"):
+                has_text, reported = read_event(api, json.loads(line[6:]))
+                if reported is not None:
+                    tokens = reported
+                if has_text:
                     times.append(time.perf_counter())
         results.append({"status": 200, "start": start, "times": times, "tokens": tokens})
 
@@ -143,12 +180,21 @@ def cpu_figures(before: dict[str, float], after: dict[str, float], pid: int) -> 
     return spent
 
 
-def parse_variants(specs: list[str]) -> dict[str, list[str]]:
-    """`NAME=ARGS` (extra `trio-mlx serve` arguments) per variant; none given: one, `trio-mlx`."""
-    variants: dict[str, list[str]] = {}
+ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def parse_variants(specs: list[str]) -> dict[str, tuple[dict[str, str], list[str]]]:
+    """`NAME=ARGS` per variant: its environment (ARGS' leading `KEY=VALUE` words) and its extra
+    `trio-mlx serve` arguments (the rest); none given: one, `trio-mlx`."""
+    variants: dict[str, tuple[dict[str, str], list[str]]] = {}
     for spec in specs or ["trio-mlx="]:
         name, _, extra = spec.partition("=")
-        variants[name.strip()] = shlex.split(extra)
+        words = shlex.split(extra)
+        env: dict[str, str] = {}
+        while words and ENV_WORD.match(words[0]):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        variants[name.strip()] = (env, words)
     return variants
 
 
@@ -163,7 +209,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(c) for c in args.concurrency.split(",")]
     variants = parse_variants(args.variant)
     servers: dict[str, Server] = {}
-    for name, extra in variants.items():
+    for name, (_, extra) in variants.items():
         port = free_port()
         argv = [sys.executable, "-m", "trio_mlx", "serve", str(subject.path)]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--admission", "wait"]
@@ -173,8 +219,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         servers[name] = Server(name, argv, port, log_path, subject.path.name)
     rows: list[dict[str, Any]] = []
     try:
-        for server in servers.values():  # one at a time: loading shares the cores
-            server.start(server_env())
+        for name, server in servers.items():  # one at a time: loading shares the cores
+            server.start(server_env() | variants[name][0])
             await wait_ready(server, args.server_start_timeout_s)
         from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -189,7 +235,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         model = subject.path.name
         for server in servers.values():
             await burst(
-                server.base_url, model, new_batch(max(levels)), 16, eos, args.burst_timeout_s
+                server.base_url,
+                model,
+                new_batch(max(levels)),
+                16,
+                eos,
+                args.burst_timeout_s,
+                args.api,
             )
         deadline = time.monotonic() + args.deadline_s
         names = list(servers)
@@ -215,7 +267,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     pid = server.proc.pid
                     before = thread_cpu_s(pid)
                     figures = await burst(
-                        server.base_url, model, batch, args.max_tokens, eos, args.burst_timeout_s
+                        server.base_url,
+                        model,
+                        batch,
+                        args.max_tokens,
+                        eos,
+                        args.burst_timeout_s,
+                        args.api,
                     )
                     spent = cpu_figures(before, thread_cpu_s(pid), pid)
                     tokens = max(1, figures["tokens"])
@@ -240,7 +298,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python -m bench.token_path " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "rows": rows,
         "model": subject.description,
-        "servers": {name: server.argv[1:] for name, server in servers.items()},
+        "servers": {
+            name: [f"{k}={v}" for k, v in variants[name][0].items()] + server.argv[1:]
+            for name, server in servers.items()
+        },
         "machine": {
             "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -282,6 +343,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--api",
+        choices=ROUTES,
+        default="chat",
+        help="the streaming route the bursts use (chat: /v1/chat/completions, completions, "
+        "responses: /v1/responses, messages: /v1/messages)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--variant",

@@ -6,7 +6,8 @@ blocks: a consumer that falls behind finds several tokens waiting and handles th
 channel: a bounded one would make the delivery (one call for every live request's tokens)
 block or drop tokens when one consumer is slow, and an unbounded one is this list without the
 coalescing. What bounds it is the request itself (`max_tokens`). A consumer that has gone
-`close()`s it; the next `push` returns False and the runner aborts the request.
+`close()`s it; the next `push` returns False and the runner aborts the request. Its one consumer
+waits on the task itself (`wait_task_rescheduled`, woken by `push`): a token costs no `Event`.
 
 `RequestStream` owns the request's detokenizer, stop-string matcher, usage counts and timings, and
 turns what the sink holds into `GenerationOutput`s. It runs in the consumer's own task: iterating
@@ -19,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -28,7 +30,7 @@ from trio_mlx.text.stop import StopMatcher
 from trio_mlx.types import FinishReason, GenerationOutput, SamplingParams, TokenLogprob
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SinkBatch:
     """Everything that arrived for a request since its consumer last looked."""
 
@@ -50,7 +52,8 @@ class TokenSink:
         self._logprobs: list[TokenLogprob] = []
         self._finish: FinishReason | None = None
         self._error: str | None = None
-        self._event = trio.Event()
+        #: The consumer's task while it waits in `next_batch` (woken by `push`).
+        self._waiter: trio.lowlevel.Task | None = None
         self.closed = False
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -86,7 +89,10 @@ class TokenSink:
         if finish is not None:
             self._finish = finish
             self._error = error
-        self._event.set()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(waiter)
         return True
 
     def close(self) -> None:
@@ -94,10 +100,12 @@ class TokenSink:
         self.closed = True
 
     async def next_batch(self) -> SinkBatch:
-        """Wait until there is something new, and take all of it."""
+        """Wait until there is something new, and take all of it. One consumer at a time."""
         while not self._tokens and self._finish is None:
-            self._event = trio.Event()
-            await self._event.wait()
+            if self._waiter is not None:
+                raise RuntimeError("another task is already waiting on this request's tokens")
+            self._waiter = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
         tokens, self._tokens = self._tokens, []
         logprobs, self._logprobs = self._logprobs, []
         return SinkBatch(
@@ -108,6 +116,10 @@ class TokenSink:
             first_token_at=self.first_token_at,
             last_token_at=self.last_token_at,
         )
+
+    def _abort_wait(self, _: Any) -> trio.lowlevel.Abort:
+        self._waiter = None  # cancelled while waiting
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class RequestStream:

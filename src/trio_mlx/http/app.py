@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import trio
@@ -40,7 +40,7 @@ from trio_mlx.http.errors import (
     error_body,
     from_validation_error,
 )
-from trio_mlx.http.generation import SSE_HEADERS, sse_event
+from trio_mlx.http.generation import SSE_HEADERS, joined, sse_frame
 from trio_mlx.http.in_flight import CountInFlight
 from trio_mlx.http.metrics import Metrics
 from trio_mlx.http.objects import Health, ModelCard, ModelList
@@ -102,12 +102,16 @@ class FinishResponses:
             await self.app(scope, receive, send)
             return
 
-        async def finishing_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.CancelScope(shield=True):
-                    await send(message)
-            else:
+        async def shielded_send(message: dict[str, Any]) -> None:
+            with trio.CancelScope(shield=True):
                 await send(message)
+
+        def finishing_send(message: dict[str, Any]) -> Awaitable[None]:
+            # Not a coroutine of its own: a streamed body's every chunk is awaited straight on
+            # hypercorn's send, one frame less on each of its resumptions.
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                return shielded_send(message)
+            return send(message)  # type: ignore[no-any-return]
 
         await self.app(scope, receive, finishing_send)
 
@@ -191,9 +195,9 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
             return _json(await run.final())
 
         async def frames() -> AsyncIterator[bytes]:
-            async with contextlib.aclosing(run.events()) as events:
-                async for event in events:
-                    yield sse_event(event["type"], event)
+            async with contextlib.aclosing(run.events()) as batches:
+                async for batch in batches:  # the events ready together: one write
+                    yield joined([sse_frame(type, data) for type, data in batch])
 
         return _event_stream(frames())
 
@@ -209,9 +213,10 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
             except APIError as exc:
                 await websocket.send(json.dumps(_socket_error(exc)))
                 continue
-            async with contextlib.aclosing(run.events()) as events:
-                async for event in events:
-                    await websocket.send(json.dumps(event, separators=(",", ":")))
+            async with contextlib.aclosing(run.events()) as batches:
+                async for batch in batches:
+                    for _, data in batch:  # one message an event
+                        await websocket.send(data)
 
     @app.get("/v1/models")
     async def models_route() -> Response:

@@ -30,10 +30,11 @@ from trio_mlx.http.generation import (
     TokenText,
     admit,
     failure,
+    joined,
     json_bytes,
+    json_string,
     new_id,
     openai_finish_reason,
-    outputs,
     prepare_async,
     raise_failure,
     run_to_end,
@@ -68,6 +69,7 @@ TEXT_PARTS = frozenset(TEXT_PART_TYPES)
 #: vision-language model and refuses them (400 naming the part) for a text model
 MEDIA_PARTS = frozenset(MEDIA_PART_FIELDS)
 _DELTA_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
+_CONTENT_TAIL = b"}" + _DELTA_TAIL
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -215,16 +217,24 @@ class _ChatReply:
             {"id": id, "object": "chat.completion.chunk", "created": created, "model": model}
         )
         self._delta_head = b"data: " + head[:-1] + b',"choices":[{"index":0,"delta":'
+        self._content_head = self._delta_head + b'{"content":'
+        #: Whether a chunk has carried `role` (the first one does).
+        self._role_sent = False
+        #: Logprobs of tokens whose text is held back (a possible stop string) wait for the
+        #: chunk that carries their text.
+        self._pending: list[TokenLogprob] = []
 
     def _delta_chunk(self, role: bool, content: str | None, reasoning: str | None) -> bytes:
         """The SSE event of a chunk carrying only a delta (no logprobs, no finish); the same
-        bytes as `_chunk` builds for it."""
-        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        bytes as `_chunk` builds for it, with only the delta's strings encoded."""
+        if content and not role and not reasoning:  # nearly every token's chunk
+            return self._content_head + json_string(content) + _CONTENT_TAIL
+        fields = [b'"role":"assistant"'] if role else []
         if content:
-            delta["content"] = content
+            fields.append(b'"content":' + json_string(content))
         if reasoning:
-            delta["reasoning_content"] = reasoning
-        return self._delta_head + json_bytes(delta) + _DELTA_TAIL
+            fields.append(b'"reasoning_content":' + json_string(reasoning))
+        return self._delta_head + b"{" + b",".join(fields) + b"}" + _DELTA_TAIL
 
     def completion(self, final: GenerationOutput, *, with_logprobs: bool) -> ChatCompletion:
         content: str | None = final.text
@@ -286,61 +296,69 @@ class _ChatReply:
     async def stream(
         self, active: ActiveRequest, record: RequestRecord, *, include_usage: bool
     ) -> AsyncIterator[bytes]:
-        role_sent = False
-        # Logprobs of tokens whose text is held back (a possible stop string) wait for the
-        # chunk that carries their text.
-        pending: list[TokenLogprob] = []
+        """The SSE body. The events of one output (its content, then at the end the finish
+        chunk, the usage and `[DONE]`) go out as one body chunk: one write, the same events."""
         last: GenerationOutput | None = None
         try:
-            async for out in outputs(active):
+            async for out in active.stream:
                 last = out
-                if out.new_logprobs:
-                    pending.extend(out.new_logprobs)
-                if self.calls is not None:
-                    for chunk in self._call_chunks(out, pending, role_sent):
-                        role_sent = True
-                        yield chunk
-                elif out.new_text or out.new_reasoning:
-                    logprobs = self._take(pending, out)
-                    if logprobs is None:
-                        yield self._delta_chunk(not role_sent, out.new_text, out.new_reasoning)
-                    else:
-                        delta = ChatDelta(
-                            role=None if role_sent else "assistant",
-                            content=out.new_text or None,
-                            reasoning_content=out.new_reasoning or None,
-                        )
-                        yield self._chunk(delta, logprobs=logprobs)
-                    role_sent = True
-                if not out.finished:
-                    continue
-                error = failure(out)
-                if error is not None:
-                    yield sse(error)
-                    yield DONE
+                if out.finished:
+                    active.close()  # the slot is free before the last events are written
+                events = self._events(out, include_usage)
+                if events:
+                    yield joined(events)
+                if out.finished:
                     return
-                if not role_sent:
-                    yield self._chunk(ChatDelta(role="assistant", content=""))
-                reason = self._finish_reason(out)
-                yield self._chunk(
-                    ChatDelta(), logprobs=self._take(pending, out), finish_reason=reason
-                )
-                if include_usage:
-                    usage = Usage.of(out)
-                    yield sse(
-                        ChatCompletionChunk(
-                            id=self.id,
-                            created=self.created,
-                            model=self.model,
-                            choices=[],
-                            usage=usage,
-                        ).dump()
-                    )
-                yield DONE
-                return
         finally:
             active.close()
             record.finish(last)
+
+    def _events(self, out: GenerationOutput, include_usage: bool) -> list[bytes]:
+        """The SSE events of one output, in order."""
+        pending = self._pending
+        if out.new_logprobs:
+            pending.extend(out.new_logprobs)
+        events: list[bytes] = []
+        if self.calls is not None:
+            events += self._call_chunks(out, pending, self._role_sent)
+            self._role_sent = self._role_sent or bool(events)
+        elif out.new_text or out.new_reasoning:
+            logprobs = self._take(pending, out)
+            if logprobs is None:
+                events.append(
+                    self._delta_chunk(not self._role_sent, out.new_text, out.new_reasoning)
+                )
+            else:
+                delta = ChatDelta(
+                    role=None if self._role_sent else "assistant",
+                    content=out.new_text or None,
+                    reasoning_content=out.new_reasoning or None,
+                )
+                events.append(self._chunk(delta, logprobs=logprobs))
+            self._role_sent = True
+        if not out.finished:
+            return events
+        error = failure(out)
+        if error is not None:
+            events += (sse(error), DONE)
+            return events
+        if not self._role_sent:
+            events.append(self._chunk(ChatDelta(role="assistant", content="")))
+        reason = self._finish_reason(out)
+        events.append(
+            self._chunk(ChatDelta(), logprobs=self._take(pending, out), finish_reason=reason)
+        )
+        if include_usage:
+            usage = Usage.of(out)
+            events.append(
+                sse(
+                    ChatCompletionChunk(
+                        id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+                    ).dump()
+                )
+            )
+        events.append(DONE)
+        return events
 
     def _call_chunks(
         self, out: GenerationOutput, pending: list[TokenLogprob], role_sent: bool

@@ -20,9 +20,11 @@ from trio_mlx.http.generation import (
     TokenText,
     admit,
     failure,
+    joined,
+    json_bytes,
+    json_string,
     new_id,
     openai_finish_reason,
-    outputs,
     prepare_async,
     raise_failure,
     run_to_end,
@@ -32,6 +34,8 @@ from trio_mlx.http.objects import Completion, CompletionChoice, CompletionLogpro
 from trio_mlx.http.requests import CompletionRequest
 from trio_mlx.http.state import ServerState
 from trio_mlx.types import GenerationOutput, TokenLogprob
+
+_TEXT_TAIL = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
 
 async def completions(
@@ -86,6 +90,17 @@ class _CompletionReply:
         self.text = text
         self.echo = echo
         self.with_logprobs = with_logprobs
+        # A text chunk without logprobs is the same bytes around its text every time: encoded
+        # once here, so that a token costs the encoding of its text (`_text_chunk`).
+        head = json_bytes(
+            {"id": id, "object": "text_completion", "created": created, "model": model}
+        )
+        self._text_head = b"data: " + head[:-1] + b',"choices":[{"index":0,"text":'
+
+    def _text_chunk(self, text: str) -> bytes:
+        """The SSE event of a chunk carrying only text: the bytes `sse(self._body(
+        CompletionChoice(text=text)).dump())` gives."""
+        return self._text_head + json_string(text) + _TEXT_TAIL
 
     def _body(self, choice: CompletionChoice, usage: Usage | None = None) -> Completion:
         return Completion(
@@ -111,49 +126,64 @@ class _CompletionReply:
     async def stream(
         self, active: ActiveRequest, record: RequestRecord, *, include_usage: bool
     ) -> AsyncIterator[bytes]:
+        """The SSE body; the events of one output go out as one body chunk (one write)."""
         pending: list[TokenLogprob] = []
         offset = len(self.echo)
         prefix = self.echo
         last: GenerationOutput | None = None
         try:
-            async for out in outputs(active):
+            async for out in active.stream:
                 last = out
+                if out.finished:
+                    active.close()  # the slot is free before the last events are written
+                events: list[bytes] = []
                 if out.new_logprobs:
                     pending.extend(out.new_logprobs)
                 if out.new_text or (prefix and out.finished):
                     text = prefix + out.new_text
                     prefix = ""
-                    logprobs = self._logprobs(pending, offset)
+                    if self.with_logprobs:
+                        logprobs = self._logprobs(pending, offset)
+                        choice = CompletionChoice(text=text, logprobs=logprobs)
+                        events.append(sse(self._body(choice).dump()))
+                    else:
+                        events.append(self._text_chunk(text))
                     pending = []
                     offset += len(out.new_text)
-                    yield sse(self._body(CompletionChoice(text=text, logprobs=logprobs)).dump())
-                if not out.finished:
-                    continue
-                error = failure(out)
-                if error is not None:
-                    yield sse(error)
-                    yield DONE
+                if out.finished:
+                    events += self._final_events(out, pending, offset, include_usage)
+                if events:
+                    yield joined(events)
+                if out.finished:
                     return
-                reason = openai_finish_reason(out)
-                logprobs = self._logprobs(pending, offset) if pending else None
-                yield sse(
-                    self._body(
-                        CompletionChoice(text="", logprobs=logprobs, finish_reason=reason)
-                    ).dump()
-                )
-                if include_usage:
-                    usage = Usage.of(out)
-                    yield sse(
-                        Completion(
-                            id=self.id,
-                            created=self.created,
-                            model=self.model,
-                            choices=[],
-                            usage=usage,
-                        ).dump()
-                    )
-                yield DONE
-                return
         finally:
             active.close()
             record.finish(last)
+
+    def _final_events(
+        self, out: GenerationOutput, pending: list[TokenLogprob], offset: int, include_usage: bool
+    ) -> list[bytes]:
+        """The events after the last text: the finish chunk, the usage, `[DONE]`."""
+        error = failure(out)
+        if error is not None:
+            return [sse(error), DONE]
+        reason = openai_finish_reason(out)
+        logprobs = self._logprobs(pending, offset) if pending else None
+        events = [
+            sse(
+                self._body(
+                    CompletionChoice(text="", logprobs=logprobs, finish_reason=reason)
+                ).dump()
+            )
+        ]
+        if include_usage:
+            usage = Usage.of(out)
+            events.append(
+                sse(
+                    Completion(
+                        id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+                    ).dump()
+                )
+            )
+        events.append(DONE)
+        return events

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from json.encoder import encode_basestring_ascii
 from typing import Any, Literal, TypeVar
 
 from trio_mlx.actors.engine import Engine
@@ -83,9 +84,24 @@ def outputs(active: ActiveRequest) -> GenerationStream:
     return GenerationStream(started)
 
 
+#: `json.dumps(value, separators=(",", ":"))` without building an encoder per call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
+def json_text(value: Any) -> str:
+    """`value` as compact JSON (no spaces): `json.dumps(value, separators=(",", ":"))`."""
+    return _COMPACT.encode(value)
+
+
 def json_bytes(value: Any) -> bytes:
     """`value` as compact JSON (no spaces), encoded: how every SSE payload is written."""
-    return json.dumps(value, separators=(",", ":")).encode()
+    return _COMPACT.encode(value).encode()
+
+
+def json_string(text: str) -> bytes:
+    """`text` as a JSON string literal: the bytes `json_bytes(text)` gives (ASCII, escaped), for
+    templates that write a token's event around the one string it carries."""
+    return encode_basestring_ascii(text).encode()
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -95,8 +111,18 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 def sse_event(event: str, payload: dict[str, Any]) -> bytes:
     """One SSE event with an `event:` line (the Responses API's framing)."""
-    data = json.dumps(payload, separators=(",", ":"))
+    return sse_frame(event, _COMPACT.encode(payload))
+
+
+def sse_frame(event: str, data: str) -> bytes:
+    """One SSE event with an `event:` line, its `data:` already JSON text."""
     return f"event: {event}\ndata: {data}\n\n".encode()
+
+
+def joined(events: list[bytes]) -> bytes:
+    """The SSE events that are ready together, as one body chunk: one write to the socket
+    (hypercorn's send path costs about as much for one event as for several), the same events."""
+    return events[0] if len(events) == 1 else b"".join(events)
 
 
 def openai_finish_reason(final: GenerationOutput) -> Literal["stop", "length"]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncGenerator
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from trio_mlx.actors.engine import Engine
@@ -33,7 +34,14 @@ from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.chat import template_messages
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.generation import admit, failure, new_id, outputs, prepare_async, run_to_end
+from trio_mlx.http.generation import (
+    admit,
+    failure,
+    json_text,
+    new_id,
+    prepare_async,
+    run_to_end,
+)
 from trio_mlx.http.objects import (
     ErrorDetail,
     FunctionCallItem,
@@ -55,6 +63,11 @@ from trio_mlx.tools import ArgumentsAppended, CallStarted, Content, ToolEvent
 from trio_mlx.types import GenerationOutput
 
 _FUNCTION_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
+
+#: One event of the stream as it is sent: its type and its JSON text (the SSE `event:` and
+#: `data:`, or one WebSocket message).
+ResponseEvent = tuple[str, str]
+_TEXT_DELTA = "response.output_text.delta"
 
 
 def input_messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[int]]:
@@ -256,10 +269,22 @@ class ResponseRun:
             parallel_tool_calls=body.parallel_tool_calls is not False,
         )
 
-    def _event(self, type: str, **fields: Any) -> dict[str, Any]:
+    def _event(self, type: str, **fields: Any) -> ResponseEvent:
         event = ResponseStreamEvent(type=type, sequence_number=self._sequence, **fields)
         self._sequence += 1
-        return event.dump()
+        return type, json_text(event.dump())
+
+    def _text_delta(self, item_id: str, output_index: int, text: str) -> ResponseEvent:
+        """A `response.output_text.delta`: the JSON `_event` writes for it, with only the
+        strings encoded (a token's event costs no model)."""
+        sequence = self._sequence
+        self._sequence += 1
+        return _TEXT_DELTA, (
+            f'{{"type":"{_TEXT_DELTA}","sequence_number":{sequence},'
+            f'"output_index":{output_index},"content_index":0,'
+            f'"item_id":{encode_basestring_ascii(item_id)},'
+            f'"delta":{encode_basestring_ascii(text)},"logprobs":[]}}'
+        )
 
     async def final(self) -> dict[str, Any]:
         """Run to the end; the response object (completed, incomplete or failed)."""
@@ -289,32 +314,39 @@ class ResponseRun:
         content = [] if text is None else [OutputText(text=text)]
         return OutputMessage(id=new_id("msg"), status=status, content=content)  # type: ignore[arg-type]
 
-    async def events(self) -> AsyncGenerator[dict[str, Any]]:
-        """The event sequence of a streamed response."""
+    async def events(self) -> AsyncGenerator[list[ResponseEvent]]:
+        """The event sequence of a streamed response, in batches: the events that are ready
+        together (those before the first token; then each output's), to be written at once."""
         last: GenerationOutput | None = None
         try:
-            yield self._event("response.created", response=self.response("in_progress"))
-            yield self._event("response.in_progress", response=self.response("in_progress"))
+            ready = [
+                self._event("response.created", response=self.response("in_progress")),
+                self._event("response.in_progress", response=self.response("in_progress")),
+            ]
             if self.calls is None:  # one message, opened before the first token
-                for event in self._open_message():
-                    yield event
-            async for out in outputs(self.active):
+                ready += self._open_message()
+            yield ready
+            async for out in self.active.stream:
                 last = out
                 if not out.finished:
-                    for event in self._reply_events(out.new_text, finish=False):
-                        yield event
+                    ready = self._reply_events(out.new_text, finish=False)
+                    if ready:
+                        yield ready
                     continue
+                self.close()  # the slot is free before the last events are written
+                ready = []
                 status = _status(out)
                 if status != "failed":
-                    for event in self._reply_events(out.new_text, finish=True):
-                        yield event
+                    ready += self._reply_events(out.new_text, finish=True)
                     item_status = "incomplete" if status == "incomplete" else "completed"
                     if self._call is not None and self._cut_call():
                         item_status = "incomplete"
-                    for event in self._close_item(item_status):
-                        yield event
+                    ready += self._close_item(item_status)
                 output = [*self._items, *([self._message] if self._message else [])]
-                yield self._event(f"response.{status}", response=self.response(status, output, out))
+                ready.append(
+                    self._event(f"response.{status}", response=self.response(status, output, out))
+                )
+                yield ready
                 return
         finally:
             self.close()
@@ -326,29 +358,20 @@ class ResponseRun:
         started = 1 + sum(isinstance(item, FunctionCallItem) for item in self._items)
         return self.calls is not None and self.calls.calls < started
 
-    def _reply_events(self, text: str, *, finish: bool) -> list[dict[str, Any]]:
+    def _reply_events(self, text: str, *, finish: bool) -> list[ResponseEvent]:
         parsed: list[ToolEvent]
         if self.calls is None:
             parsed = [Content(text)] if text else []
         else:
             parsed = self.calls.feed(text) + (self.calls.finish() if finish else [])
-        events = []
+        events: list[ResponseEvent] = []
         for event in parsed:
             if isinstance(event, Content):
                 if self._message is None:
                     events += self._close_item("completed") + self._open_message()
                 assert self._message is not None
                 self._message.content[0].text += event.text
-                events.append(
-                    self._event(
-                        "response.output_text.delta",
-                        item_id=self._message.id,
-                        output_index=len(self._items),
-                        content_index=0,
-                        delta=event.text,
-                        logprobs=[],
-                    )
-                )
+                events.append(self._text_delta(self._message.id, len(self._items), event.text))
             elif isinstance(event, CallStarted):
                 events += self._close_item("completed")
                 self._call = FunctionCallItem(
@@ -377,7 +400,7 @@ class ResponseRun:
                 )
         return events
 
-    def _open_message(self) -> list[dict[str, Any]]:
+    def _open_message(self) -> list[ResponseEvent]:
         self._message = OutputMessage(
             id=new_id("msg"), status="in_progress", content=[OutputText(text="")]
         )
@@ -390,10 +413,10 @@ class ResponseRun:
             ),
         ]
 
-    def _close_item(self, status: str) -> list[dict[str, Any]]:
+    def _close_item(self, status: str) -> list[ResponseEvent]:
         """The events that finish the item being written (none when there is none)."""
         index = len(self._items)
-        events = []
+        events: list[ResponseEvent] = []
         if self._message is not None:
             message, self._message = self._message, None
             part = message.content[0]

@@ -34,7 +34,7 @@ from trio_mlx.http.anthropic.objects import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from trio_mlx.http.generation import sse_event
+from trio_mlx.http.generation import json_string, sse_event
 from trio_mlx.tools import (
     ArgumentsAppended,
     CallStarted,
@@ -65,7 +65,7 @@ def delta_event(index: int, kind: BlockKind, text: str) -> bytes:
         + b'","'
         + kind.encode()
         + b'":'
-        + json.dumps(text).encode()
+        + json_string(text)
         + b"}}\n\n"
     )
 

@@ -37,12 +37,13 @@ from trio_mlx.http.anthropic.objects import (
     MessageUsage,
     StopDelta,
 )
-from trio_mlx.http.generation import failure, outputs, sse_event
+from trio_mlx.http.generation import failure, joined, sse_event
 from trio_mlx.types import GenerationOutput
 
 
 async def message_events(run: MessageRun) -> AsyncIterator[bytes]:
-    """The stream's events, as bytes (see the module docstring)."""
+    """The stream's events, as bytes (see the module docstring). The events of one output go
+    out as one body chunk: one write, the same events."""
     last: GenerationOutput | None = None
     blocks = ContentWriter()
     try:
@@ -53,26 +54,34 @@ async def message_events(run: MessageRun) -> AsyncIterator[bytes]:
             usage=MessageUsage(input_tokens=run.prompt_tokens, output_tokens=0),
         )
         yield event(MessageStartEvent(message=start))
-        async for out in outputs(run.active):
+        async for out in run.active.stream:
             last = out
-            for chunk in blocks.feed(run.events(out)):
-                yield chunk
-            if not out.finished:
-                continue
-            error = failure(out)
-            if error is not None:
-                status = 503 if out.finish_reason == "abort" else 500
-                body = anthropic_error(status, error["error"])
-                yield sse_event("error", body)
+            if out.finished:
+                run.active.close()  # the slot is free before the last events are written
+            ready = blocks.feed(run.events(out))
+            if out.finished:
+                ready += _final_events(run, blocks, out)
+            if ready:
+                yield joined(ready)
+            if out.finished:
                 return
-            for chunk in blocks.finish():
-                yield chunk
-            delta = StopDelta(
-                stop_reason=run.stop_reason(out, blocks.calls), stop_sequence=out.stop_sequence
-            )
-            yield event(MessageDeltaEvent(delta=delta, usage=MessageUsage.of(out)))
-            yield event(MessageStopEvent())
-            return
     finally:
         run.active.close()
         run.record.finish(last)
+
+
+def _final_events(run: MessageRun, blocks: ContentWriter, out: GenerationOutput) -> list[bytes]:
+    """After the last output's content: the last block's stop, `message_delta` and
+    `message_stop`; or, when generation failed, an `error` event and nothing after it."""
+    error = failure(out)
+    if error is not None:
+        status = 503 if out.finish_reason == "abort" else 500
+        return [sse_event("error", anthropic_error(status, error["error"]))]
+    delta = StopDelta(
+        stop_reason=run.stop_reason(out, blocks.calls), stop_sequence=out.stop_sequence
+    )
+    return [
+        *blocks.finish(),
+        event(MessageDeltaEvent(delta=delta, usage=MessageUsage.of(out))),
+        event(MessageStopEvent()),
+    ]
