@@ -35,6 +35,7 @@ from trio_mlx.actors.runner_start import ModelLoader
 from trio_mlx.actors.supervisor import open_engine
 from trio_mlx.config import SERVER_PROCESS_SETTINGS
 from trio_mlx.engine.loading import load_model
+from trio_mlx.http import fast_send
 from trio_mlx.http.app import create_app
 from trio_mlx.http.preflight import (
     StartupError,
@@ -152,6 +153,7 @@ async def serve_http(
             close_listener.set()
 
     async def run_http(task_status: trio.TaskStatus[list[str]]) -> None:
+        fast_send.install()
         await hypercorn_serve(
             app, config, shutdown_trigger=close_listener.wait, task_status=task_status
         )
