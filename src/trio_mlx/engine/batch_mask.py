@@ -36,6 +36,8 @@ from typing import Any
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from trio_mlx.engine.specprefill import PositionedKVCache
+
 
 def aligned_make_mask(cache: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
     """`BatchKVCache.make_mask` for a cache that knows whether it is `aligned` (module doc)."""
@@ -80,10 +82,13 @@ def is_aligned(layers: list[Any]) -> bool:
 
 
 def sequence_length(layers: list[Any]) -> int | None:
-    """A sequence's cached positions, from its first plain `KVCache` layer (None: it has none)."""
+    """A sequence's cached positions, from its first plain `KVCache` layer or SpecPrefill
+    `PositionedKVCache` one (what it stores, not its RoPE position; None: it has none)."""
     for layer in layers:
         if type(layer) is KVCache:
             return int(layer.offset)
+        if type(layer) is PositionedKVCache:
+            return layer.stored
     return None
 
 
