@@ -90,6 +90,8 @@ async def test_integers_may_be_written_as_floats(http: httpx.AsyncClient) -> Non
             {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
             "input[0].content[0].text",
         ),
+        (RESPONSES, {"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+        (RESPONSES, {"input": "hi", "include": ["nope"]}, "include[0]"),
     ],
 )
 async def test_what_the_server_refuses_the_document_calls_invalid(
@@ -113,6 +115,11 @@ async def test_what_the_server_refuses_the_document_calls_invalid(
             RESPONSES,
             {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]},
         ),
+        (RESPONSES, {"input": "hi", "top_logprobs": 0}),
+        (
+            RESPONSES,
+            {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3},
+        ),
     ],
 )
 async def test_what_the_document_calls_valid_is_served(
@@ -127,6 +134,16 @@ STREAMS = [
     (CHAT, {"messages": USER, "max_tokens": 3, "stream": True}),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 3, "stream": True}),
     (RESPONSES, {"input": "hi", "max_output_tokens": 3, "stream": True}),
+    (
+        RESPONSES,
+        {
+            "input": "hi",
+            "max_output_tokens": 3,
+            "stream": True,
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2,
+        },
+    ),
 ]
 
 

@@ -200,9 +200,13 @@ class Completion(_Out):
 
 
 class OutputText(_Out):
+    """A message's text. With `include: ["message.output_text.logprobs"]`, `logprobs` holds each
+    of its tokens (`token`, `logprob`, `bytes`, and `top_logprobs` alternatives)."""
+
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprobOut] | None = None
 
 
 class OutputMessage(_Out):
@@ -267,6 +271,31 @@ class ResponseObject(_Out):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)
     output_text: str | None = None
+    top_logprobs: int | None = None
+
+
+class TextTopLogprob(_Out):
+    token: str
+    logprob: float
+
+
+class TextLogprob(_Out):
+    """A token of a `response.output_text.delta` / `.done` event's text (the stream events'
+    shape: no `bytes`, as the API's events have none)."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[TextTopLogprob] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, item: TokenLogprobOut) -> TextLogprob:
+        return cls(
+            token=item.token,
+            logprob=item.logprob,
+            top_logprobs=[
+                TextTopLogprob(token=top.token, logprob=top.logprob) for top in item.top_logprobs
+            ],
+        )
 
 
 class ResponseStreamEvent(_Out):
@@ -290,7 +319,9 @@ class ResponseStreamEvent(_Out):
     text: str | None = None
     name: str | None = None
     arguments: str | None = None
-    logprobs: list[Any] | None = None
+    #: On `response.output_text.delta` (the delta's tokens) and `.done` (the text's): empty
+    #: unless the request included `message.output_text.logprobs`.
+    logprobs: list[TextLogprob] | None = None
 
 
 # ---- models and operations ---------------------------------------------------------------------

@@ -33,7 +33,15 @@ from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.chat import template_messages
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.generation import admit, failure, new_id, outputs, prepare_async, run_to_end
+from trio_mlx.http.generation import (
+    TokenText,
+    admit,
+    failure,
+    new_id,
+    outputs,
+    prepare_async,
+    run_to_end,
+)
 from trio_mlx.http.objects import (
     ErrorDetail,
     FunctionCallItem,
@@ -45,6 +53,8 @@ from trio_mlx.http.objects import (
     ResponseObject,
     ResponseStreamEvent,
     ResponseUsage,
+    TextLogprob,
+    TokenLogprobOut,
 )
 from trio_mlx.http.requests import ChatMessage
 from trio_mlx.http.responses_requests import InputItem, ResponsesRequest
@@ -52,7 +62,7 @@ from trio_mlx.http.state import ServerState
 from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader, plan_tools
 from trio_mlx.tools import ArgumentsAppended, CallStarted, Content, ToolEvent
-from trio_mlx.types import GenerationOutput
+from trio_mlx.types import GenerationOutput, TokenLogprob
 
 _FUNCTION_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
 
@@ -159,6 +169,9 @@ async def start_response(
         exc.param = _FUNCTION_PARAMETERS.sub(r"tools[\1].parameters", exc.param or "") or None
         raise
     options = body.sampling_options() | plan.options
+    if body.logprobs:
+        options["logprobs"] = True
+        options["top_logprobs"] = body.top_logprobs or 0
     output_format = responses_output_format(body.text.format if body.text else None)
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
         options.setdefault("output_format", output_format)  # its reply has no content
@@ -177,7 +190,10 @@ async def start_response(
         raise
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)
-    return ResponseRun(engine, model, body, active, record, plan.reader())
+    # With logprobs and tools, a whole response reads its reply a second time, token by token as
+    # a stream does, to tell its text's tokens from its calls' (`ReplyLogprobs`).
+    second = plan.reader() if body.logprobs else None
+    return ResponseRun(engine, model, body, active, record, plan.reader(), second)
 
 
 class ResponseRun:
@@ -191,6 +207,7 @@ class ResponseRun:
         active: ActiveRequest,
         record: RequestRecord,
         calls: CallReader | None = None,
+        logprob_calls: CallReader | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -206,6 +223,12 @@ class ResponseRun:
         self._items: list[OutputItem] = []
         self._message: OutputMessage | None = None
         self._call: FunctionCallItem | None = None
+        #: With `include: ["message.output_text.logprobs"]`: token text for the logprobs, and
+        #: (a whole response with tools) the reader of the reply's tokens.
+        self._token_text = TokenText(engine.tokenizer) if body.logprobs else None
+        self._logprob_calls = logprob_calls
+        #: A stream's tokens whose logprobs wait for the text they go with.
+        self._reading = ReplyLogprobs(open=calls is None)
 
     def close(self) -> None:
         self.active.close()
@@ -251,6 +274,7 @@ class ResponseRun:
             usage=usage,
             metadata=body.metadata or {},
             output_text="".join(texts) if texts else None,
+            top_logprobs=body.top_logprobs,
             tools=[tool.model_dump(exclude_none=True) for tool in body.tools or ()],
             tool_choice=body.tool_choice or "auto",
             parallel_tool_calls=body.parallel_tool_calls is not False,
@@ -263,16 +287,20 @@ class ResponseRun:
 
     async def final(self) -> dict[str, Any]:
         """Run to the end; the response object (completed, incomplete or failed)."""
-        last = await run_to_end(self.active, self.record)
+        reading = None
+        if self._token_text is not None and self._logprob_calls is not None:
+            reading = ReplyLogprobs(self._logprob_calls)
+        last = await run_to_end(self.active, self.record, reading.add if reading else None)
         status = _status(last)
         item_status = "incomplete" if status == "incomplete" else "completed"
         if self.calls is None:
-            output: list[OutputItem] = [self._new_message(last.text, item_status)]
+            output: list[OutputItem] = [self._new_message(last.text, item_status, last.logprobs)]
         else:
             parsed = self.calls.parse(last.text)
             output = []
             if parsed.content or not parsed.calls:
-                output.append(self._new_message(parsed.content, item_status))
+                logprobs = reading.kept + reading.rest() if reading else None
+                output.append(self._new_message(parsed.content, item_status, logprobs))
             output += [
                 FunctionCallItem(
                     id=new_id("fc"),
@@ -285,9 +313,17 @@ class ResponseRun:
             ]
         return self.response(status, output, last).dump()
 
-    def _new_message(self, text: str | None, status: str) -> OutputMessage:
-        content = [] if text is None else [OutputText(text=text)]
+    def _new_message(
+        self, text: str | None, status: str, logprobs: list[TokenLogprob] | None = None
+    ) -> OutputMessage:
+        content = [] if text is None else [OutputText(text=text, logprobs=self._logprobs(logprobs))]
         return OutputMessage(id=new_id("msg"), status=status, content=content)  # type: ignore[arg-type]
+
+    def _logprobs(self, items: list[TokenLogprob] | None) -> list[TokenLogprobOut] | None:
+        """Tokens as an `output_text`'s `logprobs` (None: not included)."""
+        if self._token_text is None:
+            return None
+        return self._token_text.token_logprobs(items or [])
 
     async def events(self) -> AsyncGenerator[dict[str, Any]]:
         """The event sequence of a streamed response."""
@@ -300,6 +336,7 @@ class ResponseRun:
                     yield event
             async for out in outputs(self.active):
                 last = out
+                self._reading.add(out)
                 if not out.finished:
                     for event in self._reply_events(out.new_text, finish=False):
                         yield event
@@ -308,6 +345,8 @@ class ResponseRun:
                 if status != "failed":
                     for event in self._reply_events(out.new_text, finish=True):
                         yield event
+                    if self._message is not None:  # tokens that made no text of their own
+                        self._add_logprobs(self._reading.rest())
                     item_status = "incomplete" if status == "incomplete" else "completed"
                     if self._call is not None and self._cut_call():
                         item_status = "incomplete"
@@ -334,6 +373,7 @@ class ResponseRun:
             parsed = self.calls.feed(text) + (self.calls.finish() if finish else [])
         events = []
         for event in parsed:
+            tokens = self._reading.read(event)
             if isinstance(event, Content):
                 if self._message is None:
                     events += self._close_item("completed") + self._open_message()
@@ -346,7 +386,7 @@ class ResponseRun:
                         output_index=len(self._items),
                         content_index=0,
                         delta=event.text,
-                        logprobs=[],
+                        logprobs=[TextLogprob.of(item) for item in self._add_logprobs(tokens)],
                     )
                 )
             elif isinstance(event, CallStarted):
@@ -377,18 +417,30 @@ class ResponseRun:
                 )
         return events
 
+    def _add_logprobs(self, tokens: list[TokenLogprob]) -> list[TokenLogprobOut]:
+        """Add tokens to the open message's text logprobs; they, in the part's shape."""
+        if self._message is None or self._token_text is None or not tokens:
+            return []
+        items = self._token_text.token_logprobs(tokens)
+        part = self._message.content[0]
+        part.logprobs = [*(part.logprobs or ()), *items]
+        return items
+
     def _open_message(self) -> list[dict[str, Any]]:
         self._message = OutputMessage(
-            id=new_id("msg"), status="in_progress", content=[OutputText(text="")]
+            id=new_id("msg"), status="in_progress", content=[self._empty_text()]
         )
         where: dict[str, Any] = {"item_id": self._message.id, "output_index": len(self._items)}
         empty = OutputMessage(id=self._message.id, status="in_progress", content=[])
         return [
             self._event("response.output_item.added", output_index=len(self._items), item=empty),
             self._event(
-                "response.content_part.added", **where, content_index=0, part=OutputText(text="")
+                "response.content_part.added", **where, content_index=0, part=self._empty_text()
             ),
         ]
+
+    def _empty_text(self) -> OutputText:
+        return OutputText(text="", logprobs=[] if self._token_text is not None else None)
 
     def _close_item(self, status: str) -> list[dict[str, Any]]:
         """The events that finish the item being written (none when there is none)."""
@@ -405,7 +457,7 @@ class ResponseRun:
                     **where,
                     content_index=0,
                     text=part.text,
-                    logprobs=[],
+                    logprobs=[TextLogprob.of(item) for item in part.logprobs or ()],
                 ),
                 self._event("response.content_part.done", **where, content_index=0, part=part),
                 self._event("response.output_item.done", output_index=index, item=message),
@@ -428,6 +480,55 @@ class ResponseRun:
             ]
             self._items.append(call)
         return events
+
+
+class ReplyLogprobs:
+    """Which generated tokens' logprobs go with the reply's text (`output_text.logprobs`).
+
+    A token's go with the next piece of text sent after it: its own text, or, where its text
+    was held back (a possible stop string, text that may begin a function call's markup), the
+    piece that releases it; they are dropped when a call's markup comes first (the tokens wrote
+    the call). A token whose text begins in the text and ends in a call's markup (`.<` before
+    `<tool_call>`) goes with the text. The tokens left at the end, which made no text of their
+    own (an end-of-sequence token, a stop string), go with the text when the reply ended in
+    text (`open`), as chat's `logprobs` has every token: without tools, the message's logprobs
+    are every token's.
+
+    A stream reads the reader's events as it sends them (`read`); a whole response with tools
+    gives its second reader each output (`add`), reading the reply as its stream would."""
+
+    def __init__(self, calls: CallReader | None = None, *, open: bool = False) -> None:
+        self._calls = calls
+        self.open = open
+        self.pending: list[TokenLogprob] = []
+        #: The text's tokens so far (`add` with a reader).
+        self.kept: list[TokenLogprob] = []
+
+    def add(self, out: GenerationOutput) -> None:
+        self.pending.extend(out.new_logprobs or ())
+        if self._calls is None:
+            return
+        events = self._calls.feed(out.new_text)
+        if out.finished and failure(out) is None:
+            events += self._calls.finish()
+        for event in events:
+            self.kept += self.read(event)
+
+    def read(self, event: ToolEvent) -> list[TokenLogprob]:
+        """The tokens that go with `event` (a piece of text): those pending."""
+        if isinstance(event, Content):
+            self.open = True
+            tokens, self.pending = self.pending, []
+            return tokens
+        if isinstance(event, CallStarted | ArgumentsAppended):
+            self.open = False
+            self.pending = []
+        return []
+
+    def rest(self) -> list[TokenLogprob]:
+        """The tokens left at the end, if the reply ended in text."""
+        tokens, self.pending = self.pending, []
+        return tokens if self.open else []
 
 
 def _status(final: GenerationOutput) -> str:

@@ -15,7 +15,14 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, WithJsonSchema
 
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.requests import ONLY_NULL, ContentPart, Positive, SamplingFields, _Body
+from trio_mlx.http.requests import (
+    ONLY_NULL,
+    ContentPart,
+    Positive,
+    SamplingFields,
+    TopLogprobs,
+    _Body,
+)
 from trio_mlx.http.structured_output import ResponseTextFormat
 
 
@@ -100,8 +107,40 @@ class ResponseText(_Body):
     format: ResponseTextFormat | None = None
 
 
+#: What `include` may ask for. Only the text's logprobs are ever added here: the others are
+#: about items this server does not make (built-in tools' calls, reasoning's encrypted content)
+#: or stores (input images), so there is nothing of them to include.
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+
+
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses (and a `response.create` message on its WebSocket)."""
+
+    # `top_logprobs` above 0 needs the logprobs included (refused in `check_supported`).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                "required": ["top_logprobs"],
+            },
+            "then": {
+                "properties": {
+                    "include": {"type": "array", "contains": {"const": OUTPUT_TEXT_LOGPROBS}}
+                },
+                "required": ["include"],
+            },
+        }
+    )
 
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
@@ -132,6 +171,13 @@ class ResponsesRequest(SamplingFields):
         ),
     ] = None
     parallel_tool_calls: bool | None = None
+    include: list[Includable] | None = None
+    top_logprobs: TopLogprobs | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text's logprobs are included."""
+        return OUTPUT_TEXT_LOGPROBS in (self.include or ())
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The function tools in the chat shape (`{"type": "function", "function": {...}}`)."""
@@ -150,4 +196,10 @@ class ResponsesRequest(SamplingFields):
                 "store responses; send the conversation as input items",
                 param="previous_response_id",
                 code="unsupported_value",
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(
+                400,
+                f"top_logprobs needs include to contain {OUTPUT_TEXT_LOGPROBS!r}",
+                param="top_logprobs",
             )
