@@ -92,6 +92,12 @@ async def test_integers_may_be_written_as_floats(http: httpx.AsyncClient) -> Non
         ),
         (RESPONSES, {"input": "hi", "top_logprobs": 2}, "top_logprobs"),
         (RESPONSES, {"input": "hi", "include": ["nope"]}, "include[0]"),
+        (
+            RESPONSES,
+            {"input": [{"type": "reasoning", "content": [{"type": "input_text", "text": "x"}]}]},
+            "input[0].content[0]",
+        ),
+        (RESPONSES, {"input": [{"type": "reasoning", "content": "x"}]}, "input[0].content"),
     ],
 )
 async def test_what_the_server_refuses_the_document_calls_invalid(
@@ -119,6 +125,22 @@ async def test_what_the_server_refuses_the_document_calls_invalid(
         (
             RESPONSES,
             {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3},
+        ),
+        (
+            RESPONSES,
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "type": "reasoning",
+                        "id": "rs-1",
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": "x"}],
+                    },
+                    {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "hi"},
+                ]
+            },
         ),
     ],
 )

@@ -229,7 +229,23 @@ class FunctionCallItem(_Out):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(_Out):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_Out):
+    """The model's reasoning (a model whose tokenizer has thinking tags), before its answer.
+    `summary` is empty: the reasoning is given whole, in `content`."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(_Out):
@@ -304,7 +320,10 @@ class ResponseStreamEvent(_Out):
     `response.content_part.added`, `response.output_text.delta`, `response.output_text.done`,
     `response.content_part.done`, `response.output_item.done` (for a function call:
     `response.output_item.added`, `response.function_call_arguments.delta`,
-    `response.function_call_arguments.done`, `response.output_item.done`), then
+    `response.function_call_arguments.done`, `response.output_item.done`; for reasoning:
+    `response.output_item.added`, `response.content_part.added` (a `reasoning_text` part),
+    `response.reasoning_text.delta`, `response.reasoning_text.done`,
+    `response.content_part.done`, `response.output_item.done`), then
     `response.completed`, `response.incomplete` or `response.failed`; or `error`."""
 
     type: str
@@ -314,7 +333,7 @@ class ResponseStreamEvent(_Out):
     content_index: int | None = None
     item_id: str | None = None
     item: OutputItem | None = None
-    part: OutputText | None = None
+    part: OutputText | ReasoningText | None = None
     delta: str | None = None
     text: str | None = None
     name: str | None = None

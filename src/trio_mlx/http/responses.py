@@ -6,16 +6,24 @@
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done`) or a
 function call (`response.output_item.added` with the `function_call` item,
 `response.function_call_arguments.delta` per piece of its arguments,
-`response.function_call_arguments.done`, `response.output_item.done`); then
-`response.completed` (or `response.incomplete` when `max_output_tokens` ran out,
-`response.failed` when generation failed). Without tools the reply is one message, opened before
-the first token; with tools (`http/tooling.py`) a message is opened by its first text and a
-call closes the item before it. The SSE route frames the events with `event:` lines (no
-`[DONE]`: the Responses API has none); the WebSocket sends each as one JSON message; the
-non-streaming route returns the final response.
+`response.function_call_arguments.done`, `response.output_item.done`) or the model's reasoning
+(a model whose tokenizer has thinking tags: `response.output_item.added` with the `reasoning`
+item, `response.content_part.added` with its `reasoning_text` part, one
+`response.reasoning_text.delta` per piece, `response.reasoning_text.done`,
+`response.content_part.done`, `response.output_item.done`); then `response.completed` (or
+`response.incomplete` when `max_output_tokens` ran out, `response.failed` when generation
+failed). Without tools or reasoning the reply is one message, opened before the first token;
+otherwise an item is opened by its first piece and closes the item before it, and a reply
+without tools ends with a message (empty if it wrote no text). The SSE route frames the events
+with `event:` lines (no `[DONE]`: the Responses API has none); the WebSocket sends each as one
+JSON message; the non-streaming route returns the final response.
 
 Input items: messages, earlier `function_call`s (one assistant turn with their calls) and their
-`function_call_output`s (tool results) become the chat-template conversation.
+`function_call_output`s (tool results) become the chat-template conversation. An earlier
+`reasoning` item goes with the assistant turn after it, as its `reasoning_content`, where the
+model's chat template renders reasoning; where it does not, it is left out, as the template
+leaves out the reasoning of earlier turns (the Responses API hands reasoning items back to be
+sent again, and decides itself which it keeps).
 
 Validation and admission errors are raised (as `APIError`) before the first event. A client that
 goes away aborts the generation at the next step boundary.
@@ -30,6 +38,7 @@ from typing import Any
 
 from trio_mlx.actors.engine import Engine
 from trio_mlx.actors.request import ActiveRequest
+from trio_mlx.engine.prompts import renders_reasoning
 from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.chat import template_messages
 from trio_mlx.http.errors import APIError
@@ -50,6 +59,9 @@ from trio_mlx.http.objects import (
     OutputItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponseStreamEvent,
     ResponseUsage,
@@ -61,15 +73,19 @@ from trio_mlx.http.responses_requests import InputItem, ResponsesRequest
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader, plan_tools
-from trio_mlx.tools import ArgumentsAppended, CallStarted, Content, ToolEvent
-from trio_mlx.types import GenerationOutput, TokenLogprob
+from trio_mlx.tools import ArgumentsAppended, CallStarted, Content, Reasoning, ToolEvent
+from trio_mlx.types import GenerationOutput
 
 _FUNCTION_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
 
 
-def input_messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[int]]:
+def input_messages(
+    body: ResponsesRequest, *, keep_reasoning: bool = False
+) -> tuple[list[dict[str, Any]], list[int]]:
     """`instructions` and `input` as chat-template messages, and for each message the input item
-    it comes from (-1: `instructions`), to name a refused field as the client sent it."""
+    it comes from (-1: `instructions`), to name a refused field as the client sent it.
+    `keep_reasoning`: the template renders reasoning, so `reasoning` items become the next
+    assistant turn's `reasoning_content` (else they are left out)."""
     messages: list[ChatMessage] = []
     where: list[int] = []  # the input item each message comes from (-1: instructions)
     if body.instructions:
@@ -79,11 +95,22 @@ def input_messages(body: ResponsesRequest) -> tuple[list[dict[str, Any]], list[i
         messages.append(ChatMessage(role="user", content=body.input))
         where.append(0)
     else:
+        reasoning: list[str] = []  # reasoning items waiting for the assistant turn after them
         for i, item in enumerate(body.input):
+            if item.type == "reasoning":
+                text = item.reasoning(i)
+                if keep_reasoning and text:
+                    reasoning.append(text)
+                continue
             message = _item_message(item, i, messages[-1] if messages else None)
             if message is not None:
                 messages.append(message)
                 where.append(i)
+            turn = message or messages[-1]
+            if reasoning and turn.role == "assistant":
+                earlier = [turn.reasoning_content] if turn.reasoning_content else []
+                turn.reasoning_content = "\n".join([*earlier, *reasoning])
+            reasoning = []
     try:
         return template_messages(messages), where
     except APIError as exc:
@@ -154,7 +181,7 @@ async def start_response(
     body.check_supported()
     engine, model = state.engine_for(body.model)
     record.model = model
-    messages, where = input_messages(body)
+    messages, where = input_messages(body, keep_reasoning=renders_reasoning(engine.tokenizer))
     try:
         plan = plan_tools(
             messages,
@@ -190,10 +217,23 @@ async def start_response(
         raise
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)
-    # With logprobs and tools, a whole response reads its reply a second time, token by token as
-    # a stream does, to tell its text's tokens from its calls' (`ReplyLogprobs`).
-    second = plan.reader() if body.logprobs else None
-    return ResponseRun(engine, model, body, active, record, plan.reader(), second)
+    reasons = prepared.reasoning is not None
+    # A whole response with tools reads its reply a second time, output by output as a stream
+    # does, to tell the tokens of its text and reasoning from its calls' (`ReplyTokens`).
+    second = plan.reader()
+    return ResponseRun(engine, model, body, active, record, plan.reader(), second, reasons=reasons)
+
+
+def reply_events(out: GenerationOutput, calls: CallReader | None) -> list[ToolEvent]:
+    """What one output adds to the reply: its reasoning, then its text, as the call reader (if
+    any) reads it; at the end of a successful reply, what the reader held back."""
+    events: list[ToolEvent] = [Reasoning(out.new_reasoning)] if out.new_reasoning else []
+    if calls is None:
+        return events + ([Content(out.new_text)] if out.new_text else [])
+    events += calls.feed(out.new_text)
+    if out.finished and failure(out) is None:
+        events += calls.finish()
+    return events
 
 
 class ResponseRun:
@@ -207,15 +247,21 @@ class ResponseRun:
         active: ActiveRequest,
         record: RequestRecord,
         calls: CallReader | None = None,
-        logprob_calls: CallReader | None = None,
+        second_calls: CallReader | None = None,
+        *,
+        reasons: bool = False,
     ) -> None:
         self.engine = engine
         self.model = model
         self.body = body
         self.active = active
         self.record = record
-        #: Reads function calls out of the reply (None: the reply is one message).
+        #: Reads function calls out of the reply (None: the reply is one message), and a second
+        #: reader for a whole response to read the reply as a stream does (`ReplyTokens`).
         self.calls = calls
+        self._second_calls = second_calls
+        #: Whether the reply may hold reasoning (the engine separates it).
+        self._reasons = reasons
         self.id = new_id("resp")
         self.created_at = int(time.time())
         self._sequence = 0
@@ -223,21 +269,27 @@ class ResponseRun:
         self._items: list[OutputItem] = []
         self._message: OutputMessage | None = None
         self._call: FunctionCallItem | None = None
-        #: With `include: ["message.output_text.logprobs"]`: token text for the logprobs, and
-        #: (a whole response with tools) the reader of the reply's tokens.
-        self._token_text = TokenText(engine.tokenizer) if body.logprobs else None
-        self._logprob_calls = logprob_calls
-        #: A stream's tokens whose logprobs wait for the text they go with.
-        self._reading = ReplyLogprobs(open=calls is None)
+        self._reasoning: ReasoningItem | None = None
+        self._token_text = TokenText(engine.tokenizer)
+        #: With `include: ["message.output_text.logprobs"]`.
+        self._logprobs = body.logprobs
+        #: A stream's tokens, as they write its text, reasoning and calls.
+        self._tokens = self._reply_tokens()
 
     def close(self) -> None:
         self.active.close()
+
+    def _reply_tokens(self) -> ReplyTokens:
+        plain = self.calls is None
+        simple = (plain or not self._logprobs) and not self._reasons
+        return ReplyTokens(self._token_text, plain=plain, simple=simple)
 
     def response(
         self,
         status: str,
         output: list[OutputItem] | None = None,
         final: GenerationOutput | None = None,
+        reasoning_tokens: int = 0,
     ) -> ResponseObject:
         output = output or []
         texts = [
@@ -252,6 +304,7 @@ class ResponseRun:
                 output_tokens=final.completion_tokens,
                 total_tokens=final.prompt_tokens + final.completion_tokens,
                 input_tokens_details=InputTokensDetails(cached_tokens=final.cached_tokens),
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
             )
             if final.finish_reason == "length":
                 incomplete = IncompleteDetails(reason="max_output_tokens")
@@ -285,22 +338,35 @@ class ResponseRun:
         self._sequence += 1
         return event.dump()
 
+    # ---- the whole response --------------------------------------------------------------------
+
     async def final(self) -> dict[str, Any]:
         """Run to the end; the response object (completed, incomplete or failed)."""
-        reading = None
-        if self._token_text is not None and self._logprob_calls is not None:
-            reading = ReplyLogprobs(self._logprob_calls)
-        last = await run_to_end(self.active, self.record, reading.add if reading else None)
+        tokens: ReplyTokens | None = None  # which tokens wrote the text and the reasoning
+        if self._logprobs or self._reasons or self.calls is not None:
+            tokens = self._reply_tokens()
+        reader = self._second_calls
+
+        def read(out: GenerationOutput) -> None:
+            assert tokens is not None
+            tokens.note(out.new_tokens)
+            for event in reply_events(out, reader):
+                tokens.read(event)
+
+        last = await run_to_end(self.active, self.record, read if tokens is not None else None)
+        text_tokens = [*tokens.text, *tokens.end()] if tokens is not None else []
         status = _status(last)
         item_status = "incomplete" if status == "incomplete" else "completed"
+        reasoning = last.reasoning
+        output: list[OutputItem] = []
         if self.calls is None:
-            output: list[OutputItem] = [self._new_message(last.text, item_status, last.logprobs)]
+            message = self._new_message(last.text, item_status, last, text_tokens)
         else:
             parsed = self.calls.parse(last.text)
-            output = []
+            reasoning += parsed.reasoning
+            message = None
             if parsed.content or not parsed.calls:
-                logprobs = reading.kept + reading.rest() if reading else None
-                output.append(self._new_message(parsed.content, item_status, logprobs))
+                message = self._new_message(parsed.content, item_status, last, text_tokens)
             output += [
                 FunctionCallItem(
                     id=new_id("fc"),
@@ -311,19 +377,32 @@ class ResponseRun:
                 )
                 for call in parsed.calls
             ]
-        return self.response(status, output, last).dump()
+        if message is not None:
+            output.insert(0, message)
+        if reasoning:
+            item = ReasoningItem(
+                id=new_id("rs"),
+                content=[ReasoningText(text=reasoning)],
+                status=item_status,  # type: ignore[arg-type]
+            )
+            output.insert(0, item)
+        counted = tokens.reasoning if tokens is not None else 0
+        return self.response(status, output, last, counted).dump()
 
     def _new_message(
-        self, text: str | None, status: str, logprobs: list[TokenLogprob] | None = None
+        self, text: str | None, status: str, final: GenerationOutput, tokens: list[int]
     ) -> OutputMessage:
-        content = [] if text is None else [OutputText(text=text, logprobs=self._logprobs(logprobs))]
+        """The message of a whole response; `tokens`: the positions of its text's tokens."""
+        logprobs = self._text_logprobs(final, tokens) if self._logprobs else None
+        content = [] if text is None else [OutputText(text=text, logprobs=logprobs)]
         return OutputMessage(id=new_id("msg"), status=status, content=content)  # type: ignore[arg-type]
 
-    def _logprobs(self, items: list[TokenLogprob] | None) -> list[TokenLogprobOut] | None:
-        """Tokens as an `output_text`'s `logprobs` (None: not included)."""
-        if self._token_text is None:
-            return None
-        return self._token_text.token_logprobs(items or [])
+    def _text_logprobs(self, out: GenerationOutput, tokens: list[int]) -> list[TokenLogprobOut]:
+        """The logprobs of the reply's tokens at `tokens` (positions), in the part's shape."""
+        every = out.logprobs or []
+        return self._token_text.token_logprobs([every[i] for i in tokens if i < len(every)])
+
+    # ---- the stream ----------------------------------------------------------------------------
 
     async def events(self) -> AsyncGenerator[dict[str, Any]]:
         """The event sequence of a streamed response."""
@@ -331,33 +410,50 @@ class ResponseRun:
         try:
             yield self._event("response.created", response=self.response("in_progress"))
             yield self._event("response.in_progress", response=self.response("in_progress"))
-            if self.calls is None:  # one message, opened before the first token
+            if self.calls is None and not self._reasons:  # one message, before the first token
                 for event in self._open_message():
                     yield event
             async for out in outputs(self.active):
                 last = out
-                self._reading.add(out)
-                if not out.finished:
-                    for event in self._reply_events(out.new_text, finish=False):
-                        yield event
-                    continue
-                status = _status(out)
+                self._tokens.note(out.new_tokens)
+                status = _status(out) if out.finished else None
                 if status != "failed":
-                    for event in self._reply_events(out.new_text, finish=True):
+                    for event in self._reply_events(out):
                         yield event
-                    if self._message is not None:  # tokens that made no text of their own
-                        self._add_logprobs(self._reading.rest())
-                    item_status = "incomplete" if status == "incomplete" else "completed"
-                    if self._call is not None and self._cut_call():
-                        item_status = "incomplete"
-                    for event in self._close_item(item_status):
+                if status is None:
+                    continue
+                if status != "failed":
+                    for event in self._end_events(out, status):
                         yield event
-                output = [*self._items, *([self._message] if self._message else [])]
-                yield self._event(f"response.{status}", response=self.response(status, output, out))
+                output = [*self._items, *self._open_items()]
+                yield self._event(
+                    f"response.{status}",
+                    response=self.response(status, output, out, self._tokens.reasoning),
+                )
                 return
         finally:
             self.close()
             self.record.finish(last)
+
+    def _open_items(self) -> list[OutputItem]:
+        return [item for item in (self._reasoning, self._message, self._call) if item is not None]
+
+    def _end_events(self, out: GenerationOutput, status: str) -> list[dict[str, Any]]:
+        """The events that end a reply that did not fail: the last item's close (a reply
+        without tools that wrote no text gets its empty message first)."""
+        events = []
+        wrote_text = self._message is not None or any(
+            isinstance(item, OutputMessage) for item in self._items
+        )
+        if self.calls is None and not wrote_text:
+            events += self._close_item("completed") + self._open_message()
+        rest = self._tokens.end()  # tokens that wrote no text of their own
+        if self._message is not None:
+            self._add_logprobs(out, rest)
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        if self._call is not None and self._cut_call():
+            item_status = "incomplete"
+        return events + self._close_item(item_status)
 
     def _cut_call(self) -> bool:
         """Whether the call being written is one the reader does not count whole (a forced
@@ -365,20 +461,30 @@ class ResponseRun:
         started = 1 + sum(isinstance(item, FunctionCallItem) for item in self._items)
         return self.calls is not None and self.calls.calls < started
 
-    def _reply_events(self, text: str, *, finish: bool) -> list[dict[str, Any]]:
-        parsed: list[ToolEvent]
-        if self.calls is None:
-            parsed = [Content(text)] if text else []
-        else:
-            parsed = self.calls.feed(text) + (self.calls.finish() if finish else [])
+    def _reply_events(self, out: GenerationOutput) -> list[dict[str, Any]]:
         events = []
-        for event in parsed:
-            tokens = self._reading.read(event)
-            if isinstance(event, Content):
+        for event in reply_events(out, self.calls):
+            tokens = self._tokens.read(event)
+            if isinstance(event, Reasoning):
+                if self._reasoning is None:
+                    events += self._close_item("completed") + self._open_reasoning()
+                assert self._reasoning is not None
+                self._reasoning.content[0].text += event.text
+                events.append(
+                    self._event(
+                        "response.reasoning_text.delta",
+                        item_id=self._reasoning.id,
+                        output_index=len(self._items),
+                        content_index=0,
+                        delta=event.text,
+                    )
+                )
+            elif isinstance(event, Content):
                 if self._message is None:
                     events += self._close_item("completed") + self._open_message()
                 assert self._message is not None
                 self._message.content[0].text += event.text
+                logprobs = self._add_logprobs(out, tokens)
                 events.append(
                     self._event(
                         "response.output_text.delta",
@@ -386,7 +492,7 @@ class ResponseRun:
                         output_index=len(self._items),
                         content_index=0,
                         delta=event.text,
-                        logprobs=[TextLogprob.of(item) for item in self._add_logprobs(tokens)],
+                        logprobs=[TextLogprob.of(item) for item in logprobs],
                     )
                 )
             elif isinstance(event, CallStarted):
@@ -417,11 +523,12 @@ class ResponseRun:
                 )
         return events
 
-    def _add_logprobs(self, tokens: list[TokenLogprob]) -> list[TokenLogprobOut]:
-        """Add tokens to the open message's text logprobs; they, in the part's shape."""
-        if self._message is None or self._token_text is None or not tokens:
+    def _add_logprobs(self, out: GenerationOutput, tokens: list[int]) -> list[TokenLogprobOut]:
+        """Add the tokens at `tokens` to the open message's text logprobs; they, in the part's
+        shape (none when the logprobs are not included)."""
+        if self._message is None or not self._logprobs or not tokens:
             return []
-        items = self._token_text.token_logprobs(tokens)
+        items = self._text_logprobs(out, tokens)
         part = self._message.content[0]
         part.logprobs = [*(part.logprobs or ()), *items]
         return items
@@ -440,7 +547,20 @@ class ResponseRun:
         ]
 
     def _empty_text(self) -> OutputText:
-        return OutputText(text="", logprobs=[] if self._token_text is not None else None)
+        return OutputText(text="", logprobs=[] if self._logprobs else None)
+
+    def _open_reasoning(self) -> list[dict[str, Any]]:
+        self._reasoning = ReasoningItem(
+            id=new_id("rs"), status="in_progress", content=[ReasoningText(text="")]
+        )
+        where: dict[str, Any] = {"item_id": self._reasoning.id, "output_index": len(self._items)}
+        empty = ReasoningItem(id=self._reasoning.id, status="in_progress", content=[])
+        return [
+            self._event("response.output_item.added", output_index=len(self._items), item=empty),
+            self._event(
+                "response.content_part.added", **where, content_index=0, part=ReasoningText(text="")
+            ),
+        ]
 
     def _close_item(self, status: str) -> list[dict[str, Any]]:
         """The events that finish the item being written (none when there is none)."""
@@ -463,6 +583,19 @@ class ResponseRun:
                 self._event("response.output_item.done", output_index=index, item=message),
             ]
             self._items.append(message)
+        elif self._reasoning is not None:
+            reasoning, self._reasoning = self._reasoning, None
+            thought = reasoning.content[0]
+            where = {"item_id": reasoning.id, "output_index": index}
+            reasoning.status = status  # type: ignore[assignment]
+            events += [
+                self._event(
+                    "response.reasoning_text.done", **where, content_index=0, text=thought.text
+                ),
+                self._event("response.content_part.done", **where, content_index=0, part=thought),
+                self._event("response.output_item.done", output_index=index, item=reasoning),
+            ]
+            self._items.append(reasoning)
         elif self._call is not None:
             call, self._call = self._call, None
             if status == "completed":  # a call cut short keeps what was written of it
@@ -482,53 +615,104 @@ class ResponseRun:
         return events
 
 
-class ReplyLogprobs:
-    """Which generated tokens' logprobs go with the reply's text (`output_text.logprobs`).
+class ReplyTokens:
+    """Which of the reply's tokens wrote its text (`output_text` and its logprobs), its
+    reasoning (`reasoning_tokens`), or a function call's markup.
 
-    A token's go with the next piece of text sent after it: its own text, or, where its text
-    was held back (a possible stop string, text that may begin a function call's markup), the
-    piece that releases it; they are dropped when a call's markup comes first (the tokens wrote
-    the call). A token whose text begins in the text and ends in a call's markup (`.<` before
-    `<tool_call>`) goes with the text. The tokens left at the end, which made no text of their
-    own (an end-of-sequence token, a stop string), go with the text when the reply ended in
-    text (`open`), as chat's `logprobs` has every token: without tools, the message's logprobs
-    are every token's.
+    Tokens wait (`note`) for the pieces their text makes (`read`), however many one output
+    carries. A piece of text or reasoning takes the waiting tokens up to the end of its text,
+    found in theirs (each token's text decoded alone); those before its text held what lies
+    between two kinds: a thinking tag (the reasoning's) or the end of a call's markup (no
+    one's). A token whose text begins in a piece and ends in what follows (`.<` before
+    `<tool_call>`) goes with the piece. Where the piece's text is not found in the tokens'
+    (a character split between tokens decodes apart as U+FFFD), it takes every token waiting.
+    The tokens left at the end (`end`: an end-of-sequence token, a stop string, which wrote
+    nothing of their own) go with what came last, text or reasoning. So without tools or
+    reasoning the text has every token, as chat's `logprobs` do.
 
-    A stream reads the reader's events as it sends them (`read`); a whole response with tools
-    gives its second reader each output (`add`), reading the reply as its stream would."""
+    `plain`: the reply has no tools (tokens that wrote nothing at all go with the text).
+    `simple`: nothing to tell apart (no reasoning, and no tools or nobody asking): a piece of
+    text takes every token waiting, none is decoded."""
 
-    def __init__(self, calls: CallReader | None = None, *, open: bool = False) -> None:
-        self._calls = calls
-        self.open = open
-        self.pending: list[TokenLogprob] = []
-        #: The text's tokens so far (`add` with a reader).
-        self.kept: list[TokenLogprob] = []
+    def __init__(self, text: TokenText, *, plain: bool, simple: bool = False) -> None:
+        self._text = text
+        self._plain = plain
+        self._simple = simple
+        self._waiting: list[tuple[int, int]] = []  # (position in the reply, token id)
+        self._count = 0
+        self._last = "start"  # what the last piece was: start, text, reasoning or call
+        #: The positions of the text's tokens, and how many tokens the reasoning took.
+        self.text: list[int] = []
+        self.reasoning = 0
 
-    def add(self, out: GenerationOutput) -> None:
-        self.pending.extend(out.new_logprobs or ())
-        if self._calls is None:
-            return
-        events = self._calls.feed(out.new_text)
-        if out.finished and failure(out) is None:
-            events += self._calls.finish()
-        for event in events:
-            self.kept += self.read(event)
+    def note(self, tokens: list[int]) -> None:
+        self._waiting += [(self._count + i, token) for i, token in enumerate(tokens)]
+        self._count += len(tokens)
 
-    def read(self, event: ToolEvent) -> list[TokenLogprob]:
-        """The tokens that go with `event` (a piece of text): those pending."""
-        if isinstance(event, Content):
-            self.open = True
-            tokens, self.pending = self.pending, []
-            return tokens
+    def read(self, event: ToolEvent) -> list[int]:
+        """The positions of the tokens that wrote `event`, a piece of text ([] for others)."""
         if isinstance(event, CallStarted | ArgumentsAppended):
-            self.open = False
-            self.pending = []
+            self._last = "call"
+            return []
+        if not isinstance(event, Content | Reasoning):
+            return []
+        if not event.text:
+            return []
+        kind = "text" if isinstance(event, Content) else "reasoning"
+        lead: list[tuple[int, int]] = []
+        if self._simple:
+            taken, self._waiting = self._waiting, []
+        else:
+            lead, taken = self._take(event.text)
+        # What lay before the piece's text: a thinking tag, the end of a call's markup.
+        between = "reasoning" if "reasoning" in (kind, self._last) else None
+        if self._last != "call" and between is None:
+            between = "text"
+        self._last = kind
+        positions: list[int] = []
+        for group, owner in ((lead, between), (taken, kind)):
+            if owner == "reasoning":
+                self.reasoning += len(group)
+            elif owner == "text":
+                positions += [position for position, _ in group]
+        self.text += positions
+        return positions
+
+    def end(self) -> list[int]:
+        """The positions of the tokens left at the end, if they go with the text."""
+        waiting, self._waiting = self._waiting, []
+        if self._last == "reasoning":
+            self.reasoning += len(waiting)
+        if self._last == "text" or (self._last == "start" and self._plain):
+            return [position for position, _ in waiting]
         return []
 
-    def rest(self) -> list[TokenLogprob]:
-        """The tokens left at the end, if the reply ended in text."""
-        tokens, self.pending = self.pending, []
-        return tokens if self.open else []
+    def _take(self, text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Take the waiting tokens up to the end of `text`: those before it, those of it."""
+        starts = []
+        written = ""
+        for _, token in self._waiting:
+            starts.append(len(written))
+            written += self._text(token)
+        found = _find(written, text, set(starts))
+        if found < 0:
+            taken, self._waiting = self._waiting, []
+            return [], taken
+        ends = [*starts[1:], len(written)]
+        lead = sum(1 for end in ends if end <= found)
+        rest = sum(1 for start in starts if start >= found + len(text))
+        cut = len(self._waiting) - rest
+        waiting, self._waiting = self._waiting[:cut], self._waiting[cut:]
+        return waiting[:lead], waiting[lead:]
+
+
+def _find(written: str, text: str, starts: set[int]) -> int:
+    """Where `text` is in `written`: its first place at the start of a token, else its first
+    place; -1 when it is not there."""
+    first = found = written.find(text)
+    while found >= 0 and found not in starts:
+        found = written.find(text, found + 1)
+    return found if found >= 0 else first
 
 
 def _status(final: GenerationOutput) -> str:
