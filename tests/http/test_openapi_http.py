@@ -25,10 +25,12 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 USER = [{"role": "user", "content": "hi"}]
+INPUT_TOKENS = "/v1/responses/input_tokens"
 REQUEST_MODELS = {
     CHAT: "ChatCompletionRequest",
     COMPLETIONS: "CompletionRequest",
     RESPONSES: "ResponsesRequest",
+    INPUT_TOKENS: "InputTokensRequest",
 }
 
 
@@ -98,6 +100,9 @@ async def test_integers_may_be_written_as_floats(http: httpx.AsyncClient) -> Non
             "input[0].content[0]",
         ),
         (RESPONSES, {"input": [{"type": "reasoning", "content": "x"}]}, "input[0].content"),
+        (INPUT_TOKENS, {}, "input"),
+        (INPUT_TOKENS, {"instructions": ""}, "input"),
+        (INPUT_TOKENS, {"input": None, "instructions": None}, "input"),
     ],
 )
 async def test_what_the_server_refuses_the_document_calls_invalid(
@@ -142,6 +147,8 @@ async def test_what_the_server_refuses_the_document_calls_invalid(
                 ]
             },
         ),
+        (INPUT_TOKENS, {"input": "hi"}),
+        (INPUT_TOKENS, {"instructions": "Be brief."}),
     ],
 )
 async def test_what_the_document_calls_valid_is_served(

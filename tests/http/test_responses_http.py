@@ -366,3 +366,47 @@ async def test_websocket_mode_sends_logprobs(server: RunningServer) -> None:
     assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in tokens)
     final = events[-1]["response"]["output"][0]["content"][0]
     assert [t["token"] for t in final["logprobs"]] == [t["token"] for t in tokens]
+
+
+# ---- POST /v1/responses/input_tokens ------------------------------------------------------------
+
+
+async def test_input_tokens_count_the_prompt_a_response_prefills(
+    client: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    # The route was a 404: `client.responses.input_tokens.count` could not be used.
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+    prompts: list[dict[str, Any]] = [
+        {"input": QUESTION},
+        {"instructions": INSTRUCTIONS, "input": QUESTION},
+        {"input": [{"role": "developer", "content": INSTRUCTIONS}, *MESSAGES[1:]]},
+        {"input": QUESTION, "tools": [weather]},
+        {"input": QUESTION, "tools": [weather], "tool_choice": "required"},
+    ]
+    counts = []
+    for prompt in prompts:
+        counted = await client.responses.input_tokens.count(model="tiny", **prompt)
+        assert counted.object == "response.input_tokens"
+        created = await client.responses.create(model="tiny", max_output_tokens=1, **prompt)
+        assert created.usage is not None
+        assert counted.input_tokens == created.usage.input_tokens, prompt
+        counts.append(counted.input_tokens)
+    plain, instructed, as_items, offered, forced = counts
+    assert as_items == instructed  # instructions are a system turn, as a developer item is
+    # (the template's own system prompt when none is given is longer than INSTRUCTIONS)
+    assert plain != instructed and plain < offered < forced  # the tools' prompt, the forcing
+    alone = await client.responses.input_tokens.count(model="tiny", instructions=INSTRUCTIONS)
+    assert 0 < alone.input_tokens < instructed  # the system turn alone
+    for body, param in (
+        ({}, "input"),
+        ({"input": QUESTION, "previous_response_id": "resp-1"}, "previous_response_id"),
+        ({"input": [{"role": "user"}]}, "input[0].content"),
+        ({"input": QUESTION, "tools": [weather], "tool_choice": "nope"}, "tool_choice"),
+    ):
+        reply = await http.post("/v1/responses/input_tokens", json=body)
+        assert reply.status_code == 400, (body, reply.text)
+        assert reply.json()["error"]["param"] == param, reply.text

@@ -314,6 +314,13 @@ class TextLogprob(_Out):
         )
 
 
+class InputTokenCount(_Out):
+    """`POST /v1/responses/input_tokens`: the prompt's length in tokens."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class ResponseStreamEvent(_Out):
     """One event of a streamed response (SSE `event:`/`data:` or one WebSocket message).
     `type` is `response.created`, `response.in_progress`, `response.output_item.added`,

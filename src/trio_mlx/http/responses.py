@@ -55,6 +55,7 @@ from trio_mlx.http.objects import (
     ErrorDetail,
     FunctionCallItem,
     IncompleteDetails,
+    InputTokenCount,
     InputTokensDetails,
     OutputItem,
     OutputMessage,
@@ -69,7 +70,7 @@ from trio_mlx.http.objects import (
     TokenLogprobOut,
 )
 from trio_mlx.http.requests import ChatMessage
-from trio_mlx.http.responses_requests import InputItem, ResponsesRequest
+from trio_mlx.http.responses_requests import InputItem, InputTokensRequest, ResponsesRequest
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader, plan_tools
@@ -80,7 +81,7 @@ _FUNCTION_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
 
 
 def input_messages(
-    body: ResponsesRequest, *, keep_reasoning: bool = False
+    body: ResponsesRequest | InputTokensRequest, *, keep_reasoning: bool = False
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """`instructions` and `input` as chat-template messages, and for each message the input item
     it comes from (-1: `instructions`), to name a refused field as the client sent it.
@@ -94,7 +95,7 @@ def input_messages(
     if isinstance(body.input, str):
         messages.append(ChatMessage(role="user", content=body.input))
         where.append(0)
-    else:
+    elif body.input is not None:
         reasoning: list[str] = []  # reasoning items waiting for the assistant turn after them
         for i, item in enumerate(body.input):
             if item.type == "reasoning":
@@ -174,27 +175,68 @@ def _item_message(item: InputItem, i: int, previous: ChatMessage | None) -> Chat
     return ChatMessage(role=item.role, content=item.content)
 
 
+class _Prompt:
+    """A request's conversation as the engine takes it: its template messages (with what the
+    tool plan adds), and where each came from (`where`: the input item, -1 for `instructions`
+    or a message the plan added)."""
+
+    def __init__(self, state: ServerState, body: ResponsesRequest | InputTokensRequest) -> None:
+        body.check_supported()
+        self.engine, self.model = state.engine_for(body.model)
+        tokenizer = self.engine.tokenizer
+        messages, where = input_messages(body, keep_reasoning=renders_reasoning(tokenizer))
+        try:
+            self.plan = plan_tools(
+                messages,
+                body.chat_tools(),
+                body.tool_choice,
+                body.parallel_tool_calls,
+                tokenizer=tokenizer,
+                parser=state.settings.tool_call_parser,
+                nested_choice=False,
+            )
+        except APIError as exc:  # about a tool's schema, in the chat shape: the request's field
+            exc.param = _FUNCTION_PARAMETERS.sub(r"tools[\1].parameters", exc.param or "") or None
+            raise
+        self.where = [-1] * (len(self.plan.messages) - len(messages)) + where
+
+    def name_field(self, exc: APIError) -> None:
+        """Name the request's own field in an error about a message the engine was given."""
+        name_input_field(exc, self.where)
+
+
+async def count_input_tokens(state: ServerState, body: InputTokensRequest) -> dict[str, Any]:
+    """`{"object": "response.input_tokens", "input_tokens": N}`: the length of the prompt
+    `POST /v1/responses` would prefill for the same fields (the chat template's rendering,
+    tools included). With media (a vision-language model) the prompt is prepared as a response
+    prepares it, the media fetched and processed, so it must fit the context."""
+    prompt = _Prompt(state, body)
+    engine, plan = prompt.engine, prompt.plan
+    try:
+        if any(isinstance(message["content"], list) for message in plan.messages):
+            prepared = await prepare_async(
+                lambda: engine.prepare_chat_async(
+                    plan.messages, max_tokens=1, tools=plan.template_tools
+                )
+            )
+            count = len(prepared.prompt_tokens)
+        else:
+            count = await prepare_async(
+                lambda: engine.count_chat_tokens_async(plan.messages, tools=plan.template_tools)
+            )
+    except APIError as exc:
+        prompt.name_field(exc)
+        raise
+    return InputTokenCount(input_tokens=count).dump()
+
+
 async def start_response(
     state: ServerState, body: ResponsesRequest, record: RequestRecord
 ) -> ResponseRun:
     """Validate and admit a Responses request; raises `APIError` before anything is sent."""
-    body.check_supported()
-    engine, model = state.engine_for(body.model)
-    record.model = model
-    messages, where = input_messages(body, keep_reasoning=renders_reasoning(engine.tokenizer))
-    try:
-        plan = plan_tools(
-            messages,
-            body.chat_tools(),
-            body.tool_choice,
-            body.parallel_tool_calls,
-            tokenizer=engine.tokenizer,
-            parser=state.settings.tool_call_parser,
-            nested_choice=False,
-        )
-    except APIError as exc:  # about a tool's schema, in the chat shape: the request's field
-        exc.param = _FUNCTION_PARAMETERS.sub(r"tools[\1].parameters", exc.param or "") or None
-        raise
+    prompt = _Prompt(state, body)
+    engine, plan = prompt.engine, prompt.plan
+    record.model = model = prompt.model
     options = body.sampling_options() | plan.options
     if body.logprobs:
         options["logprobs"] = True
@@ -212,8 +254,7 @@ async def start_response(
             )
         )
     except APIError as exc:  # a media part the engine refused
-        added = len(plan.messages) - len(messages)  # a system prompt offering the tools
-        name_input_field(exc, [-1] * added + where)
+        prompt.name_field(exc)
         raise
     record.prompt_tokens = len(prepared.prompt_tokens)
     active = await admit(engine, prepared)

@@ -184,6 +184,45 @@ class ResponseText(_Body):
     format: ResponseTextFormat | None = None
 
 
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | dict[str, Any] | None,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {
+                    "type": "object",
+                    "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
+                    "required": ["type", "name"],
+                },
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+
+
+def _chat_tools(tools: list[ResponseTool] | None) -> list[dict[str, Any]] | None:
+    """Function tools in the chat shape (`{"type": "function", "function": {...}}`)."""
+    if not tools:
+        return None
+    return [
+        {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
+        for tool in tools
+    ]
+
+
+def _no_previous_response(previous_response_id: str | None) -> None:
+    if previous_response_id is not None:
+        raise APIError(
+            400,
+            "previous_response_id is not supported: this server does not "
+            "store responses; send the conversation as input items",
+            param="previous_response_id",
+            code="unsupported_value",
+        )
+
+
 #: What `include` may ask for. Only the text's logprobs are ever added here: the others are
 #: about items this server does not make (built-in tools' calls, reasoning's encrypted content)
 #: or stores (input images), so there is nothing of them to include.
@@ -228,25 +267,7 @@ class ResponsesRequest(SamplingFields):
     text: ResponseText | None = None
     tools: list[ResponseTool] | None = None
     # Checked against `tools` in `http/tooling.py` (a named function must be one of them).
-    tool_choice: Annotated[
-        Literal["none", "auto", "required"] | dict[str, Any] | None,
-        WithJsonSchema(
-            {
-                "anyOf": [
-                    {"enum": ["none", "auto", "required"]},
-                    {
-                        "type": "object",
-                        "properties": {
-                            "type": {"const": "function"},
-                            "name": {"type": "string"},
-                        },
-                        "required": ["type", "name"],
-                    },
-                    {"type": "null"},
-                ]
-            }
-        ),
-    ] = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
     include: list[Includable] | None = None
     top_logprobs: TopLogprobs | None = None
@@ -257,26 +278,53 @@ class ResponsesRequest(SamplingFields):
         return OUTPUT_TEXT_LOGPROBS in (self.include or ())
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
-        """The function tools in the chat shape (`{"type": "function", "function": {...}}`)."""
-        if not self.tools:
-            return None
-        return [
-            {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
-            for tool in self.tools
-        ]
+        return _chat_tools(self.tools)
 
     def check_supported(self) -> None:
-        if self.previous_response_id is not None:
-            raise APIError(
-                400,
-                "previous_response_id is not supported: this server does not "
-                "store responses; send the conversation as input items",
-                param="previous_response_id",
-                code="unsupported_value",
-            )
+        _no_previous_response(self.previous_response_id)
         if self.top_logprobs and not self.logprobs:
             raise APIError(
                 400,
                 f"top_logprobs needs include to contain {OUTPUT_TEXT_LOGPROBS!r}",
                 param="top_logprobs",
+            )
+
+
+class InputTokensRequest(_Body):
+    """POST /v1/responses/input_tokens: the prompt fields of a Responses request, whose prompt
+    is counted as `POST /v1/responses` would prefill it (`input` or `instructions` needed)."""
+
+    # `input` or non-empty `instructions` (refused in `check_supported`).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["input"], "properties": {"input": {"not": {"type": "null"}}}},
+                {
+                    "required": ["instructions"],
+                    "properties": {"instructions": {"type": "string", "minLength": 1}},
+                },
+            ]
+        }
+    )
+
+    model: str | None = Field(default=None, description="A name from GET /v1/models.")
+    input: str | Annotated[list[InputItem], Field(min_length=1)] | None = None
+    instructions: str | None = None
+    previous_response_id: Annotated[str | None, ONLY_NULL] = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        return _chat_tools(self.tools)
+
+    def check_supported(self) -> None:
+        _no_previous_response(self.previous_response_id)
+        if self.input is None and not self.instructions:
+            raise APIError(
+                400,
+                "input or instructions is needed: there is no prompt to count",
+                param="input",
+                code="missing_required_parameter",
             )
