@@ -142,20 +142,22 @@ class TokenText:
         """Chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
         if items is None:
             return None
-        return ChoiceLogprobs(
-            content=[
-                TokenLogprobOut(
-                    token=self(item.token),
-                    logprob=item.logprob,
-                    bytes=self.bytes(item.token),
-                    top_logprobs=[
-                        TopLogprob(token=self(t), logprob=lp, bytes=self.bytes(t))
-                        for t, lp in item.top
-                    ],
-                )
-                for item in items
-            ]
-        )
+        return ChoiceLogprobs(content=self.token_logprobs(items))
+
+    def token_logprobs(self, items: Sequence[TokenLogprob]) -> list[TokenLogprobOut]:
+        """Each token as `{token, logprob, bytes, top_logprobs}` (chat's `logprobs.content`, a
+        Responses `output_text`'s `logprobs`)."""
+        return [
+            TokenLogprobOut(
+                token=self(item.token),
+                logprob=item.logprob,
+                bytes=self.bytes(item.token),
+                top_logprobs=[
+                    TopLogprob(token=self(t), logprob=lp, bytes=self.bytes(t)) for t, lp in item.top
+                ],
+            )
+            for item in items
+        ]
 
     def completion_logprobs(
         self, items: Sequence[TokenLogprob] | None, offset: int
@@ -175,13 +177,20 @@ class TokenText:
         return out
 
 
-async def run_to_end(active: ActiveRequest, record: RequestRecord) -> GenerationOutput:
-    """Run an admitted request to its final output. However that ends (done, failed, cancelled
-    because the client went away) the request is closed and its outcome noted in `record`."""
+async def run_to_end(
+    active: ActiveRequest,
+    record: RequestRecord,
+    each: Callable[[GenerationOutput], object] | None = None,
+) -> GenerationOutput:
+    """Run an admitted request to its final output (`each`, if given, is called with every
+    output). However that ends (done, failed, cancelled because the client went away) the
+    request is closed and its outcome noted in `record`."""
     last: GenerationOutput | None = None
     try:
         async for output in outputs(active):
             last = output
+            if each is not None:
+                each(output)
     finally:
         active.close()
         record.finish(last)
