@@ -25,7 +25,7 @@ case "${1:-}" in
   *) echo "usage: $0 stash | run-1b | run-8b | run-8b-q4" >&2; exit 2 ;;
 esac
 : "${OUT:?OUT must name the folder for the results}"
-if ! python3 -c 'import mlx.core' 2>/dev/null; then bash .whl/2/on-gpu-host install; fi
+if ! PYTHONPATH=/tmp/site python3 -c 'import mlx.core' 2>/dev/null; then bash .whl/2/on-gpu-host install; fi
 export PYTHONPATH=/tmp/site:$CODE/src:$CODE
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export TRIO_MLX_BENCH_TOKENIZER=${TRIO_MLX_BENCH_TOKENIZER:-$PWD/.whl/2/tokenizer}

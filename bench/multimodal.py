@@ -10,13 +10,16 @@ hidden 2048, 36 layers, and its windowed 32-block tower, which dies with SIGFPE 
 MLX 0.32.4 in both systems; bf16) with SmolLM2's tokenizer plus the vision tokens (vocabulary
 49,156 rather than 151,936: the output layer is smaller than the real model's; say so with any
 figure). Cases: one 448x448 image; a 16-frame 448x448 video at 2 frames a second (both systems
-sample 2 a second). EOS is ignored (`max_tokens` tokens each). `--systems` picks the sides and
-their order: `mlx-vlm`, `engine`, `engine-mrope` (the engine with the fused rope for text
-positions off: mlx-vlm's MRoPE at every position, `multimodal.text_rope`) and `vllm-mlx`
-(vllm-mlx's server with `--mllm`, from `--vllm-python`: a streaming chat completion with the media
-as a data URL, fresh media each time since it caches what it has seen, EOS banned by logit bias,
-video sampled per request at the same 2 frames a second). Prints a JSON object per
-(case, system, repeat) and a summary table (medians).
+sample 2 a second: the same 16 frames, the same pixels and prompt, 128 video tokens with the
+processor's `max_pixels` of 448x448 shared by the frames). TTFT: from the call to the first token
+(mlx-vlm's first chunk, the engine's first output with a token, whether or not it has text yet).
+EOS is ignored (`max_tokens` tokens each). `--systems` picks the sides and their order:
+`mlx-vlm`, `engine`, `engine-mrope` (the engine with the fused rope for text positions off:
+mlx-vlm's MRoPE at every position, `multimodal.text_rope`) and `vllm-mlx` (vllm-mlx's server with
+`--mllm`, from `--vllm-python`: a streaming chat completion with the media as a data URL, fresh
+media each time since it caches what it has seen, EOS banned by logit bias, video sampled per
+request at the same 2 frames a second). Prints a JSON object per (case, system, repeat) and a
+summary table (medians).
 """
 
 from __future__ import annotations
@@ -275,7 +278,7 @@ async def run_engine(
         logit_bias={t: -100.0 for t in engine.info.eos_token_ids},
         **kwargs,
     ):
-        if out.new_text and first is None:
+        if out.new_tokens and first is None:  # its first token, as mlx-vlm's side counts
             first = time.perf_counter()
         last = out
     end = time.perf_counter()

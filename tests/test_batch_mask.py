@@ -4,6 +4,8 @@ the serialized route either way (tiny fp32 model)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,27 @@ def test_alignment_follows_merge_extend_and_filter() -> None:
     assert batch[0].make_mask(1) is None
     assert batch_mask.aligned_after_merge([4, 6]) is False
     assert batch_mask.aligned_after_merge([None]) is False
+
+
+def test_an_adopted_layer_is_freed_by_reference_counting() -> None:
+    # Its mask once was a method bound to the layer in the layer's own __dict__: a reference
+    # cycle, so a batch's keys and values stayed alive until the cyclic collector ran (found as
+    # MB of MLX arrays left after the batched route's abandonment storm).
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    gc.disable()
+    try:
+        batch = [KVCache.merge([filled(300), filled(200)])]
+        batch_mask.adopt(batch, batch_mask.aligned_after_merge([300, 200]))
+        mx.eval(batch[0].make_mask(1))
+        gone = weakref.ref(batch[0])
+        assert mx.get_active_memory() > before
+        del batch
+        assert gone() is None
+        assert mx.get_active_memory() <= before
+    finally:
+        gc.enable()
 
 
 class CacheLog:

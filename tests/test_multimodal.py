@@ -147,6 +147,51 @@ async def test_a_video_is_sampled_into_frames(vlm: trio_mlx.Engine, tmp_path: Pa
     assert out.completion_tokens > 0
 
 
+async def test_a_video_gives_mlx_vlm_s_own_output(
+    vlm: trio_mlx.Engine, tiny_vlm_dir: Path, tmp_path: Path
+) -> None:
+    from mlx_vlm import generate
+    from mlx_vlm.utils import load
+
+    video = write_video(tmp_path / "clip.avi", frames=8)  # 2 s: 4 frames at 2 a second
+    messages = [{"role": "user", "content": "What happens?"}]
+    ours = await vlm.chat(messages, videos=[str(video)], max_tokens=12, temperature=0.0)
+    model, processor = load(str(tiny_vlm_dir))
+    templated = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}
+    ]
+    prompt = processor.apply_chat_template(templated, tokenize=False, add_generation_prompt=True)
+    theirs = generate(model, processor, prompt, video=[str(video)], max_tokens=12, temperature=0.0)
+    assert ours.prompt_tokens == theirs.prompt_tokens
+    assert ours.text == theirs.text
+
+
+async def test_a_video_request_decodes_processes_and_hashes_its_media_once(
+    vlm: trio_mlx.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trio_mlx.multimodal.prepare as prepare
+
+    calls: dict[str, int] = {}
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    assert vlm.info.multimodal is not None
+    processor = type(vlm.info.multimodal.processor)
+    monkeypatch.setattr(processor, "__call__", counted("processor", processor.__call__))
+    monkeypatch.setattr(prepare, "decode_video", counted("decode", prepare.decode_video))
+    monkeypatch.setattr(prepare, "media_hashes", counted("hash", prepare.media_hashes))
+    video = write_video(tmp_path / "clip.avi", frames=8)
+    messages = [{"role": "user", "content": "What happens?"}]
+    out = await vlm.chat(messages, videos=[str(video)], **GREEDY)
+    assert out.completion_tokens > 0
+    assert calls == {"decode": 1, "processor": 1, "hash": 1}
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2.5-VL (tests/tiny_vlm.py: windowed vision attention)."""

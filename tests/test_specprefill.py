@@ -162,7 +162,7 @@ def _sparse_prefill(target: Any, scorer: Any, prompt: list[int], *, positioned: 
         vocab_size=len(target.tokenizer),
         chunk_tokens=64,
     )
-    seq._positioned = positioned
+    seq._sparse.positioned = positioned
     passes = 0
     while seq.kept_positions is None or seq.in_prefill:
         result = seq.step(64)

@@ -90,8 +90,10 @@ class EngineConfig:
       (`specprefill_draft_model`, else `draft_model`: one is needed) and the target prefills only
       `specprefill_keep_pct` of it (always the last tokens and the first
       `specprefill_backbone_pct`) at their true positions. Requests may override it
-      (`specprefill`, `specprefill_keep_pct`). Serialized route only (the batched route prefills
-      in full); cannot be combined with `max_kv_size`.
+      (`specprefill`, `specprefill_keep_pct`). Both routes: on the batched one a long prompt is
+      scored and sparsely prefilled on a cache of its own while it waits to join the batch, a
+      chunk a loop pass, then decodes in the batch at its true positions
+      (`engine/batch_specprefill.py`). Cannot be combined with `max_kv_size`.
     - `compiled_decode`: fuse each layer's q/k/v and gate/up projections at load, and decode
       through a step traced once per KV length bucket and replayed (the serialized route; the
       batched route with `TRIO_MLX_COMPILED_BATCH=on`, `engine/fast_decode.py` says why); llama,

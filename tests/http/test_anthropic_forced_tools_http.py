@@ -82,7 +82,9 @@ async def test_a_stop_sequence_inside_the_forced_call_is_no_tool_use(
 ) -> None:
     # A stop sequence met inside the call's JSON ends the answer before any call is whole: the
     # answer was `stop_reason: "tool_use"` with no tool_use block (whole) or a block of broken
-    # input (streamed), and a client that trusts the stop reason looks for a call to run.
+    # input (streamed), and a client that trusts the stop reason looks for a call to run. Now
+    # the stop reason says why it ended, and the cut call is the same block whole and streamed
+    # (its input what got written whole of it: nothing).
     request: Any = {
         "model": "tiny",
         "max_tokens": 200,
@@ -95,7 +97,69 @@ async def test_a_stop_sequence_inside_the_forced_call_is_no_tool_use(
     async with client_of(server) as client:
         whole = await client.messages.create(**request)
         assert (whole.stop_reason, whole.stop_sequence) == ("stop_sequence", "zone"), whole
-        assert not [b for b in whole.content if b.type == "tool_use"]
+        assert [(b.type, b.name, b.input) for b in whole.content] == [  # type: ignore[union-attr]
+            ("tool_use", "get_time", {})
+        ]
         async with client.messages.stream(**request) as stream:
             final = await stream.get_final_message()
         assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "zone"), final
+        assert blocks_of(final) == blocks_of(whole)
+
+
+def blocks_of(message: Any) -> list[tuple[Any, ...]]:
+    """A message's blocks without their ids: (type, text) or (type, name, input)."""
+    return [
+        (b.type, b.text) if b.type == "text" else (b.type, b.name, b.input) for b in message.content
+    ]
+
+
+async def test_a_forced_call_cut_by_max_tokens_is_the_same_block_whole_and_streamed(
+    server: RunningServer,
+) -> None:
+    # The whole answer dropped a call that max_tokens cut (`content: []`) while the stream had
+    # sent it: now both end with it, as Anthropic's answers do, its input the keys it got whole
+    # (what the client's stream accumulator reads from the same `partial_json`).
+    request: Any = {
+        "model": "tiny",
+        "messages": ASK,
+        "tools": [anthropic_tool(FORCED_WEATHER)],
+        "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        "extra_body": {"temperature": 0},
+    }
+
+    async def streamed(limit: int) -> tuple[Any, str]:
+        """The streamed answer, and its call's `partial_json` pieces joined."""
+        async with client_of(server) as client:
+            async with client.messages.stream(max_tokens=limit, **request) as stream:
+                partial = ""
+                async for event in stream:
+                    if (
+                        event.type == "content_block_delta"
+                        and event.delta.type == "input_json_delta"
+                    ):
+                        partial += event.delta.partial_json
+                return await stream.get_final_message(), partial
+
+    async with client_of(server) as client:
+        full, arguments = await streamed(400)
+        assert full.stop_reason == "tool_use" and full.usage is not None
+        [call] = full.content
+        assert call.type == "tool_use" and json.loads(arguments) == call.input
+        cuts: dict[str, int] = {}
+        for limit in range(1, full.usage.output_tokens):
+            whole = await client.messages.create(max_tokens=limit, **request)
+            assert whole.stop_reason == "max_tokens", (limit, whole)
+            final, partial = await streamed(limit)
+            assert final.stop_reason == "max_tokens"
+            assert blocks_of(final) == blocks_of(whole), limit
+            # (a cut inside a character ends it with U+FFFD)
+            assert arguments.startswith(partial.removesuffix("\ufffd"))
+            if blocks_of(whole) == [("text", "")]:  # cut before the call's name was written
+                cuts["before the call"] = limit
+                continue
+            [block] = whole.content
+            assert block.type == "tool_use" and block.name == "get_weather"
+            # What it holds is the complete call's, key for key: nothing made up.
+            assert {k: call.input[k] for k in block.input} == block.input  # type: ignore[index]
+            cuts["some keys whole" if block.input else "no key whole"] = limit
+    assert set(cuts) == {"before the call", "no key whole", "some keys whole"}, cuts

@@ -194,6 +194,7 @@ async def test_health_models_status_openapi(server: RunningServer, http: httpx.A
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/responses",
+        "/v1/responses/input_tokens",
         "/v1/models",
         "/health",
         "/v1/status",

@@ -25,10 +25,12 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 USER = [{"role": "user", "content": "hi"}]
+INPUT_TOKENS = "/v1/responses/input_tokens"
 REQUEST_MODELS = {
     CHAT: "ChatCompletionRequest",
     COMPLETIONS: "CompletionRequest",
     RESPONSES: "ResponsesRequest",
+    INPUT_TOKENS: "InputTokensRequest",
 }
 
 
@@ -90,6 +92,17 @@ async def test_integers_may_be_written_as_floats(http: httpx.AsyncClient) -> Non
             {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
             "input[0].content[0].text",
         ),
+        (RESPONSES, {"input": "hi", "top_logprobs": 2}, "top_logprobs"),
+        (RESPONSES, {"input": "hi", "include": ["nope"]}, "include[0]"),
+        (
+            RESPONSES,
+            {"input": [{"type": "reasoning", "content": [{"type": "input_text", "text": "x"}]}]},
+            "input[0].content[0]",
+        ),
+        (RESPONSES, {"input": [{"type": "reasoning", "content": "x"}]}, "input[0].content"),
+        (INPUT_TOKENS, {}, "input"),
+        (INPUT_TOKENS, {"instructions": ""}, "input"),
+        (INPUT_TOKENS, {"input": None, "instructions": None}, "input"),
     ],
 )
 async def test_what_the_server_refuses_the_document_calls_invalid(
@@ -113,6 +126,29 @@ async def test_what_the_server_refuses_the_document_calls_invalid(
             RESPONSES,
             {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]},
         ),
+        (RESPONSES, {"input": "hi", "top_logprobs": 0}),
+        (
+            RESPONSES,
+            {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3},
+        ),
+        (
+            RESPONSES,
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "type": "reasoning",
+                        "id": "rs-1",
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": "x"}],
+                    },
+                    {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+        ),
+        (INPUT_TOKENS, {"input": "hi"}),
+        (INPUT_TOKENS, {"instructions": "Be brief."}),
     ],
 )
 async def test_what_the_document_calls_valid_is_served(
@@ -127,6 +163,16 @@ STREAMS = [
     (CHAT, {"messages": USER, "max_tokens": 3, "stream": True}),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 3, "stream": True}),
     (RESPONSES, {"input": "hi", "max_output_tokens": 3, "stream": True}),
+    (
+        RESPONSES,
+        {
+            "input": "hi",
+            "max_output_tokens": 3,
+            "stream": True,
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2,
+        },
+    ),
 ]
 
 

@@ -247,6 +247,37 @@ async def test_responses_streams_function_call_events(scripted: Scripted) -> Non
     assert [s["sequence_number"] for _, s in events] == list(range(len(events)))
 
 
+async def test_responses_logprobs_are_the_texts_tokens_not_the_calls(scripted: Scripted) -> None:
+    # The reply's tokens write a message, then a call: the message's logprobs are the tokens of
+    # its text, whole and streamed, not the call's markup nor the end-of-sequence token after it.
+    reply = "On it." + CALL
+    body = {
+        "input": "Weather?",
+        "tools": RESPONSE_TOOLS,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    scripted.will_reply(reply, reply)
+    async with scripted.openai_client() as client:
+        whole = await client.responses.create(model="tiny", **body)  # type: ignore[arg-type]
+        assert [item.type for item in whole.output] == ["message", "function_call"]
+        part = whole.output[0].content[0]  # type: ignore[union-attr]
+        assert part.text == "On it." and part.logprobs is not None  # type: ignore[union-attr]
+        tokens = [item.token for item in part.logprobs]  # type: ignore[union-attr]
+        # This tokenizer writes ".<" as one token: a token that begins in the text goes with it.
+        assert tokens == ["On", " it", ".<"]
+        assert all(len(item.top_logprobs) == 2 for item in part.logprobs)  # type: ignore[union-attr]
+        async with httpx.AsyncClient(base_url=scripted.server.url, timeout=30) as http:
+            streamed = await http.post("/v1/responses", json={**body, "stream": True})
+    events = named_events(streamed.text)
+    assert [
+        t["token"] for n, d in events if n == "response.output_text.delta" for t in d["logprobs"]
+    ] == tokens
+    final = events[-1][1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call"]
+    assert [t["token"] for t in final["output"][0]["content"][0]["logprobs"]] == tokens
+
+
 async def test_responses_websocket_sends_function_call_events(scripted: Scripted) -> None:
     scripted.will_reply(CALL)
     url = scripted.server.url.replace("http://", "ws://") + "/v1/responses"

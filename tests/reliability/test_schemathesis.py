@@ -138,13 +138,14 @@ def test_schemathesis_against_the_published_schema(
     for operation, rates in sorted(summary["valid_rates"].items()):
         counts = {name: (phase["accepted"], phase["rejected"]) for name, phase in rates.items()}
         print(f"  {operation}: (accepted, rejected) {counts}")
-    assert summary["operations"]["tested"] == summary["operations"]["total"] == 13
+    assert summary["operations"]["tested"] == summary["operations"]["total"] == 14
     assert cases["with_failures"] == 0 and cases["errored"] == 0 and not summary["errors"]
     # The run reached the model (requests that were served), not only refusals.
     for route in (
         "POST /v1/chat/completions",
         "POST /v1/completions",
         "POST /v1/responses",
+        "POST /v1/responses/input_tokens",
         "POST /v1/messages",
         "POST /v1/messages/count_tokens",
     ):

@@ -2,7 +2,10 @@
 
 The loop, top to bottom, once per step while anything is live:
 1. apply the commands queued since the last step (`_apply`): a new job starts prefilling from its
-   restored prefix, an abort takes its sequence out (a row leaves the batch at the next step);
+   restored prefix (a long prompt under SpecPrefill, when a scoring model is loaded: from no
+   cached prefix, scored then sparsely prefilled, `batch_specprefill`), an abort takes its
+   sequence out (a waiting one at once, between two of its chunks; a row leaves the batch at the
+   next step);
 2. one decode step over every row of the batch (`BatchDecoder.decode`): its tokens and finishes
    go to Trio at once, then the finished sequences' snapshots are taken. With a draft model, a
    batch of one row takes a speculative step instead (`BatchDecoder.speculate`: several tokens
@@ -137,7 +140,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             results = batch.prefill(
                 pacer.chunk_tokens(decoding, waiting), pacer.budget_seconds(decoding, waiting)
             )
-            prefilled, grouped = 0, 0
+            prefilled, grouped, scored = 0, 0, 0
             for pre in results:
                 seq = pre.seq
                 if pre.error is not None:
@@ -147,6 +150,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                     continue
                 prefilled += pre.prefilled
                 grouped += pre.grouped
+                scored += pre.scored
                 last = len(seq.job.prompt_tokens) - 1
                 for point in pre.store_points:
                     stores.append((seq, "prompt" if point == last else "system", point))
@@ -154,9 +158,11 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 counters.prefill_groups += 1
                 counters.grouped_prefills += grouped
             counters.prefill_group_failures = batch.group_failures
-            if prefilled:
-                if not grouped:  # a pass of several prompts is faster per token than a chunk
-                    pacer.observe_chunk(prefilled, time.perf_counter() - chunk_began)
+            if prefilled and not grouped and not scored:
+                # (a pass of several prompts is faster per token than a chunk; a scoring chunk's
+                # time is the scoring model's, not the target's)
+                pacer.observe_chunk(prefilled, time.perf_counter() - chunk_began)
+            if prefilled or scored:
                 counters.prefill_chunks += 1
             counters.prompt_tokens += prefilled
             counters.live = batch.live + len(lane)  # before the finishes reach Trio
@@ -220,6 +226,13 @@ def _apply(runner: Runner, batch: BatchDecoder, lane: MediaLane) -> list[Sequenc
         try:
             if isinstance(job, MultimodalJob):
                 lane.add(job)
+            elif runner.scorer is not None and runner.specprefill.applies(
+                len(job.prompt_tokens), job.params.specprefill
+            ):
+                # Approximate: from no cached prefix, and nothing of it is stored.
+                batch.add_specprefill(
+                    job, runner.scorer, runner.specprefill, runner.specprefill_counters
+                )
             else:
                 cache, cached_tokens = runner._snapshots.restore_for(job, block)
                 batch.add(job, cache, cached_tokens)

@@ -4,7 +4,8 @@ runner thread only.
 `BatchDecoder` holds two groups of `BatchSequence`s (`batch_sequence`):
 - `waiting`: admitted, prefilling on a cache of their own (restored from the prefix cache or
   fresh), one chunk at a time under the runner's budget (`prefill`), until every prompt token
-  but the last is in its cache;
+  but the last is in its cache (a long prompt under SpecPrefill, `add_specprefill`: scored, then
+  its kept tokens prefilled at their true positions, `batch_specprefill`);
 - `rows`: the decode batch, on the batch's cache (mlx-lm's `BatchKVCache` /
   `BatchRotatingKVCache`, left-padded; rows leave it by the cache classes' `filter` / `extract`).
   Ready sequences join it (`join`): their caches merged into the batch's, their last prompt token
@@ -67,6 +68,7 @@ from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_jump import can_jump, jump_row
 from trio_mlx.engine.batch_sequence import BatchSequence
+from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import (
@@ -77,6 +79,7 @@ from trio_mlx.engine.decode import (
 )
 from trio_mlx.engine.padded_attention import padded_attention_default
 from trio_mlx.engine.prefill_shapes import padded_prefill_default
+from trio_mlx.engine.specprefill import SpecPrefillCounters, SpecPrefillSettings
 from trio_mlx.engine.speculative import Speculator
 from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
@@ -218,6 +221,21 @@ class BatchDecoder:
             padded=self._padded_prefill and not media,
             key_tokens=key_tokens,
         )
+
+    def add_specprefill(
+        self,
+        job: GenerationJob,
+        scorer: Any,
+        settings: SpecPrefillSettings,
+        counters: SpecPrefillCounters,
+    ) -> BatchSequence:
+        """Admit `job` (a long prompt, `settings.applies`) to a sparse prefill scored by `scorer`
+        (`batch_specprefill`): from no cached prefix, storing nothing."""
+        seq = SpecPrefillRow(
+            job, self._model, scorer, settings, counters, vocab_size=self._vocab, plan=self._plan
+        )
+        self.waiting.append(seq)
+        return seq
 
     def admit(self, seq: BatchSequence) -> None:
         """Admit a sequence prefilled elsewhere (`sequence`); it joins at the next `join`."""
@@ -465,7 +483,8 @@ class BatchDecoder:
         """Row `row`'s cache: the lone row's own (no copy) or a copy out of the batch cache."""
         if self.solo:
             return self._cache
-        return batch_layout.extract_row(self._cache, row, self.rows[row].cached_length)
+        seq = self.rows[row]
+        return batch_layout.extract_row(self._cache, row, seq.cached_length, seq.position_shift)
 
     def _drop_removed(self) -> None:
         keep = [i for i, seq in enumerate(self.rows) if not seq.removed]

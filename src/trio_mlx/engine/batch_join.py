@@ -13,7 +13,9 @@ token.
 `prefill` spends a budget of prompt tokens and seconds: with `group`, first the short prompts of
 several arrivals together in one pass where they can (`batch_prefill`); then, in admission order,
 a chunk each (`BatchSequence.prefill_chunk`; a prompt with media through its own
-`prefill_model`, `multimodal.joining`).
+`prefill_model`, `multimodal.joining`; a SpecPrefill row's scoring chunk or sparse prefill chunk,
+`batch_specprefill`: a scoring chunk's tokens spend the budget too, and are reported as `scored`,
+not prefilled).
 
 `joined` by the batch it joins (ready sequences join in admission order, after the batch's rows):
 - an empty batch and one joiner, with solo rows: the joiner's own cache becomes the batch's cache
@@ -21,7 +23,9 @@ a chunk each (`BatchSequence.prefill_chunk`; a prompt with media through its own
 - an empty batch, or a lone row on its own cache: one new batch cache merged from the lone row's
   cache (first) and the joiners' (`batch_layout.merged`);
 - a batch cache: the joiners' caches appended to it as rows (`batch_layout.extend`).
-Each keeps the batch cache's `aligned` fact (`batch_mask`) from lengths known on the host.
+Each keeps the batch cache's `aligned` fact (`batch_mask`) from lengths known on the host. A
+SpecPrefill row's cache (`PositionedKVCache` layers) merges as a plain one whose RoPE position
+runs past what it stores: its row's `offset` is its true position (`batch_layout`).
 
 Errors: a prefill chunk that raises fails that sequence only (it leaves `waiting`); a group pass
 that raises fails none of them, since it cannot say whose prompt it was: each then prefills alone
@@ -56,6 +60,9 @@ class PrefillResult:
     error: str | None = None
     #: prefilled in one pass with other arrivals (`batch_prefill`), not a chunk of its own
     grouped: bool = False
+    #: prompt tokens through the scoring model in this chunk (a SpecPrefill row still being
+    #: scored, `batch_specprefill`: then `prefilled` is 0, nothing went through the target)
+    scored: int = 0
 
 
 def prefill(
@@ -98,14 +105,15 @@ def prefill(
             break
         if seq.ready:
             continue
+        scoring = seq.scoring
         try:
             n, points = seq.prefill_chunk(seq.prefill_model or model, tokens)
         except Exception as exc:
             waiting.remove(seq)
             results.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
             continue
-        tokens -= n
-        results.append(PrefillResult(seq, n, points))
+        tokens -= n  # a scoring chunk's tokens too: the budget bounds the pass, whatever model
+        results.append(PrefillResult(seq, scored=n) if scoring else PrefillResult(seq, n, points))
     return results, group_failed
 
 

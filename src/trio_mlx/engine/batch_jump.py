@@ -27,12 +27,14 @@ from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.padded_attention import forward_run
+from trio_mlx.engine.specprefill import PositionedKVCache
 from trio_mlx.structured import masked_choice
 from trio_mlx.structured.forced_runs import MAX_RUN, forced_run
 
 
 def can_jump(rows: list[BatchSequence], cache: list[Any], *, solo: bool) -> bool:
-    """One live row, on its own plain cache (`solo`), under a grammar that forced its last
+    """One live row, on its own plain cache (`solo`; a SpecPrefill row's `PositionedKVCache`,
+    whose offset keeps its true positions, is one too), under a grammar that forced its last
     token, greedy with nothing but its mask shaping the choice, without logprobs."""
     if not solo:
         return False
@@ -49,7 +51,7 @@ def can_jump(rows: list[BatchSequence], cache: list[Any], *, solo: bool) -> bool
         and seq.selector.bias is None
         and not seq.job.params.logprobs
         and seq.failure is None
-        and all(type(layer) is KVCache for layer in cache)
+        and all(type(layer) in (KVCache, PositionedKVCache) for layer in cache)
     )
 
 

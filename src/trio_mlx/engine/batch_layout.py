@@ -19,7 +19,11 @@ the layer's growth step (`step`, which `update_and_fetch` reads) becomes an eigh
 the buffer rarely, at most an eighth of it idle. The layers built are mlx-lm's `BatchKVCache` in
 the state its `merge` / `extend` leave (left padding, per-row offsets, `_idx`), so all else reads
 them as before. Layers of other classes (rotating windows, recurrent state) keep their classes'
-`merge` / `extend`.
+`merge` / `extend`. A SpecPrefill row's layers (`specprefill.PositionedKVCache`: the kept tokens of
+a long prompt, each at its true position) join as plain ones, except that the row's `offset` (the
+RoPE position mlx-lm's batch cache keeps per row) is its true next position, past what it stores;
+its write index and left padding (what the mask reads) follow what it stores, and `extract_row`
+gives it back a `PositionedKVCache` from its shift (`BatchSequence.position_shift`).
 
 Rows leave (`filter_rows`) as by mlx-lm's `filter` (the kept rows gathered, the columns every kept
 row has as padding cut from the left), except that how many columns that is comes from the host
@@ -39,6 +43,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from trio_mlx.engine.specprefill import PositionedKVCache, positioned_cache, stored_length
 
 #: mlx-lm's growth step of a `BatchKVCache` (its class attribute `step`)
 MIN_STEP = 256
@@ -78,7 +84,8 @@ def extend(batch: list[Any], caches: list[list[Any]]) -> None:
 
 
 def _all_plain(layers: list[Any]) -> bool:
-    return all(type(layer) is KVCache for layer in layers)
+    """Plain `KVCache` layers, or a SpecPrefill row's `PositionedKVCache` ones."""
+    return all(type(layer) in (KVCache, PositionedKVCache) for layer in layers)
 
 
 def _joined(batch: Any, rows: list[Any]) -> Any:
@@ -86,11 +93,16 @@ def _joined(batch: Any, rows: list[Any]) -> Any:
     (or a new `BatchKVCache`); None where there is nothing to lay out (every side empty), for
     the classes' own methods."""
     sides = [] if batch is None or batch.keys is None else [(batch.keys, batch.values)]
-    sides += [(row.keys, row.values) for row in rows if row.keys is not None and row.offset > 0]
+    lengths = [stored_length(row) for row in rows]  # the write index's (and the mask's)
+    positions = [int(row.offset) for row in rows]  # RoPE's: past `lengths` on a sparse row
+    sides += [
+        (row.keys, row.values)
+        for row, n in zip(rows, lengths, strict=True)
+        if row.keys is not None and n > 0
+    ]
     if not sides or (batch is not None and batch.keys is None):
         return None
     template_keys, template_values = sides[0]
-    lengths = [int(row.offset) for row in rows]
     idx = max([batch._idx if batch is not None else 0, *lengths])
     columns = idx + growth_step(idx)
     kept = 0 if batch is None else int(batch.keys.shape[0])
@@ -112,7 +124,7 @@ def _joined(batch: Any, rows: list[Any]) -> Any:
             keys[r : r + 1, :, idx - length : idx] = row.keys[..., :length, :]
             values[r : r + 1, :, idx - length : idx] = row.values[..., :length, :]
     padding.append(mx.array([idx - n for n in lengths]))
-    offsets.append(mx.array(lengths))
+    offsets.append(mx.array(positions))
     target = batch if batch is not None else BatchKVCache([0] * count)
     target.keys, target.values = keys, values
     target.left_padding = mx.concatenate(padding)
@@ -144,9 +156,11 @@ def filter_rows(layers: list[Any], keep: list[int], lengths: list[int]) -> None:
             layer.left_padding = layer.left_padding - shift
 
 
-def extract_row(layers: list[Any], row: int, length: int) -> list[Any]:
+def extract_row(layers: list[Any], row: int, length: int, shift: int = 0) -> list[Any]:
     """Row `row` of a batch's cache as a sequence's own cache (a copy); `length`: its cached
-    positions. Plain `BatchKVCache` layers without reading the device; others by their class's
+    positions; `shift`: how far past them its next position is (a SpecPrefill row's skipped
+    prompt tokens: its own cache is then a `PositionedKVCache`, whose `offset` keeps its true
+    position). Plain `BatchKVCache` layers without reading the device; others by their class's
     `extract`."""
     out = []
     for layer in layers:
@@ -155,10 +169,14 @@ def extract_row(layers: list[Any], row: int, length: int) -> list[Any]:
             continue
         keys: Any = layer.keys  # mlx-lm declares them None until filled
         values: Any = layer.values
-        cache = KVCache()
         start = layer._idx - length
-        cache.keys = mx.contiguous(keys[row : row + 1, :, start : layer._idx])
-        cache.values = mx.contiguous(values[row : row + 1, :, start : layer._idx])
+        row_keys = mx.contiguous(keys[row : row + 1, :, start : layer._idx])
+        row_values = mx.contiguous(values[row : row + 1, :, start : layer._idx])
+        if shift:
+            out.append(positioned_cache(row_keys, row_values, length, shift))
+            continue
+        cache = KVCache()
+        cache.keys, cache.values = row_keys, row_values
         cache.offset = length
         out.append(cache)
     return out

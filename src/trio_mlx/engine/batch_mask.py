@@ -20,14 +20,23 @@ device (which would wait for the step in flight):
 - `aligned_after_extend`: joining keeps it only when both sides are aligned at the same length;
 - `aligned_after_filter`: a lone row is aligned (`filter` shifts the smallest padding away); the
   rows kept from an aligned batch stay aligned.
+
+The mask a layer adopts (`AlignedMask`) refers to its layer weakly. A bound method there (the
+layer's own `make_mask` bound to it in its `__dict__`) made every adopted layer a reference cycle:
+its keys and values then outlived the batch until Python's cyclic collector happened to run (an
+abandonment storm on the tiny model ended with 1-6 MB of batch caches alive after the prefix
+cache and MLX's buffer cache were cleared; a batch of long rows of a large model holds gigabytes).
+An adopted layer is freed by reference counting, as soon as the batch lets go of it.
 """
 
 from __future__ import annotations
 
-import types
+import weakref
 from typing import Any
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from trio_mlx.engine.specprefill import PositionedKVCache
 
 
 def aligned_make_mask(cache: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:
@@ -37,15 +46,32 @@ def aligned_make_mask(cache: Any, N: int, return_array: bool = False, **kwargs: 
     return BatchKVCache.make_mask(cache, N, return_array=return_array, **kwargs)
 
 
+class AlignedMask:
+    """A layer's `make_mask` once adopted: `aligned_make_mask` for that layer, which it holds by a
+    weak reference only, so that the layer holding it is no reference cycle (module docstring)."""
+
+    __slots__ = ("_layer",)
+
+    def __init__(self, layer: Any) -> None:
+        self._layer = weakref.ref(layer)
+
+    def __call__(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        layer = self._layer()
+        if layer is None:  # only its layer calls it, which is alive while it does
+            raise ReferenceError("the cache layer of this mask is gone")
+        return aligned_make_mask(layer, N, return_array, **kwargs)
+
+
 def adopt(layers: list[Any], aligned: bool) -> None:
     """Give each plain `BatchKVCache` of a batch's layers the host-side fact `aligned` and the
-    mask that reads it (an instance attribute: the object stays mlx-lm's class, which other code
-    checks with `type(...) is BatchKVCache`); other caches are left alone."""
+    mask that reads it (instance attributes: the object stays mlx-lm's class, which other code
+    checks with `type(...) is BatchKVCache`; the mask refers to its layer weakly, so the layer is
+    freed by reference counting, `AlignedMask`); other caches are left alone."""
     for layer in layers:
         if type(layer) is BatchKVCache:
             setattr(layer, "aligned", aligned)  # noqa: B010 (mlx-lm's class declares no such field)
             if "make_mask" not in vars(layer):
-                setattr(layer, "make_mask", types.MethodType(aligned_make_mask, layer))  # noqa: B010
+                setattr(layer, "make_mask", AlignedMask(layer))  # noqa: B010
 
 
 def is_aligned(layers: list[Any]) -> bool:
@@ -56,10 +82,13 @@ def is_aligned(layers: list[Any]) -> bool:
 
 
 def sequence_length(layers: list[Any]) -> int | None:
-    """A sequence's cached positions, from its first plain `KVCache` layer (None: it has none)."""
+    """A sequence's cached positions, from its first plain `KVCache` layer or SpecPrefill
+    `PositionedKVCache` one (what it stores, not its RoPE position; None: it has none)."""
     for layer in layers:
         if type(layer) is KVCache:
             return int(layer.offset)
+        if type(layer) is PositionedKVCache:
+            return layer.stored
     return None
 
 

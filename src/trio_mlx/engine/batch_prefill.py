@@ -52,9 +52,11 @@ MAX_PADDING_FACTOR = 2.0
 
 def groupable(seq: BatchSequence) -> bool:
     """Whether `seq` can prefill in a group: its prompt goes through the model itself (not a
-    prompt with media's embeddings) and every layer of its cache is a plain `KVCache`."""
+    prompt with media's embeddings, nor a SpecPrefill row's scoring and sparse prefill) and every
+    layer of its cache is a plain `KVCache`."""
     return (
         seq.prefill_model is None
+        and not seq.sparse
         and seq.cache is not None
         and all(type(layer) is KVCache for layer in seq.cache)
     )

@@ -31,6 +31,12 @@ class BatchSequence:
     the cache extracted from the batch once it has left (finished or aborted), for a snapshot.
     """
 
+    #: its prompt is prefilled sparsely (SpecPrefill, `batch_specprefill.SpecPrefillRow`): its
+    #: cache is approximate and its positions run past its cached length (`position_shift`)
+    sparse = False
+    #: what its cache holds is exactly its fed tokens' (the snapshot keeper reads it)
+    snapshot_safe = True
+
     def __init__(
         self,
         job: GenerationJob,
@@ -89,10 +95,19 @@ class BatchSequence:
         self.forced_last = False
         self.generated = 0
         self.finished = False
+        #: how far past its cached length its next position is: the prompt tokens a sparse
+        #: prefill skipped (`batch_specprefill`), known on the host; 0 for any other sequence
+        self.position_shift = 0
         #: leaves the batch at the next step (finished, aborted or failed)
         self.removed = False
         #: a per-row failure (a processor or the sampler raised), reported at the next read
         self.failure: str | None = None
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt is still being scored (a SpecPrefill row): its chunks go through the
+        scoring model, not the batch's."""
+        return False
 
     @property
     def ready(self) -> bool:

@@ -4,7 +4,8 @@ only, for `BatchDecoder.can_speculate` / `BatchDecoder.speculate`.
 A draft (a draft model or the MTP head: `speculative.Speculator`) proposes tokens that the
 target verifies in one pass on the batch's own cache. That pays only while one row decodes, so
 it applies to a batch with exactly one live row, without logits processors or a grammar (their
-state cannot be rewound), past its first token. The row's draft state is opened at its first
+state cannot be rewound), not a SpecPrefill row (which decodes without the draft, as on the
+serialized route), past its first token. The row's draft state is opened at its first
 speculative step and kept on the row (`BatchSequence.draft`); after a step the row's cache holds
 `fed_tokens()` and its next input is `pending`, so a plain `decode` (another row joined) carries
 on from there.
@@ -23,13 +24,15 @@ if TYPE_CHECKING:
 
 def can_speculate(rows: Sequence[BatchSequence], *, step_queued: bool) -> bool:
     """One live row among `rows`, without processors or a grammar, not continuing a prompt with
-    media, past its first token (a step is queued, `step_queued`, or its next input is
-    `pending`)."""
+    media, not sparsely prefilled (SpecPrefill), past its first token (a step is queued,
+    `step_queued`, or its next input is `pending`)."""
     live = [s for s in rows if not s.removed]
     if len(live) != 1 or live[0].processors or live[0].grammar is not None:
         return False
     if live[0].media:  # a prompt with media: the draft model never saw it, and its fed tokens
         return False  # are cache keys (`BatchSequence.key_tokens`), not token ids
+    if live[0].sparse:  # a SpecPrefill row decodes without the draft, as on the serialized route
+        return False
     return step_queued or live[0].pending is not None
 
 

@@ -221,6 +221,13 @@ def chat_prompt(
     return ChatPrompt(tokens, boundary)
 
 
+def renders_reasoning(tokenizer: Any, chat_template: Any = None) -> bool:
+    """Whether the chat template (`chat_template`, else the tokenizer's) renders an earlier
+    assistant turn's `reasoning_content`: it names the field."""
+    template = chat_template or getattr(tokenizer, "chat_template", None) or ""
+    return "reasoning_content" in str(template)
+
+
 def check_reasoning_rendered(
     tokenizer: Any, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any]
 ) -> None:
@@ -229,8 +236,7 @@ def check_reasoning_rendered(
     A template that renders earlier turns' reasoning names the field (`message.reasoning_content`
     in Qwen3's and DeepSeek's); one that does not name it drops the text, and the model would
     see a different conversation than the caller sent: `InvalidRequest` naming the field."""
-    template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None) or ""
-    if "reasoning_content" in str(template):
+    if renders_reasoning(tokenizer, kwargs.get("chat_template")):
         return
     for i, message in enumerate(messages):
         if message.get("reasoning_content"):

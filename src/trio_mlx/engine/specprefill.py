@@ -1,8 +1,8 @@
 """SpecPrefill: an attention-scored sparse prefill for long prompts. Runner thread only.
 
 Approximate (the target never sees the dropped tokens), in exchange for a shorter time to first
-token on long prompts. How it goes, for a prompt of `n >= threshold` tokens on the serialized
-route (`SpecPrefillSequence`, with `decode.ActiveSequence`'s interface):
+token on long prompts. How it goes, for a prompt of `n >= threshold` tokens (phases 1-3:
+`SparsePrefill`, on both routes):
 
 1. Scoring, in chunks (one per step, so that an abort lands between chunks like a prefill's):
    the scoring model (a small model with the target's tokenizer) prefills `prompt[:n - W]`, then
@@ -18,8 +18,12 @@ route (`SpecPrefillSequence`, with `decode.ActiveSequence`'s interface):
    without a `rope` attribute on its attention falls back to one forward pass per run of
    consecutive positions (`PositionedKVCache.shift`). The last kept token (the prompt's last)
    starts decoding at position `n - 1`: every later position continues from the full prompt
-   length. Decoding is the plain route's
-   (`ActiveSequence` over the kept tokens, no draft model, no traced step).
+   length (`SparsePrefill.finish`).
+4. Decoding. On the serialized route (`SpecPrefillSequence`, with `decode.ActiveSequence`'s
+   interface) it is the plain route's (`ActiveSequence` over the kept tokens, no draft model, no
+   traced step). On the batched route (`batch_specprefill.SpecPrefillRow`) the sequence waits to
+   join the batch while phases 1-3 run, a chunk a loop pass, then joins it and decodes among its
+   rows at its true positions.
 
 Such a cache is approximate: it is never snapshotted into the prefix cache (`snapshot_safe`).
 """
@@ -250,7 +254,184 @@ def _attention_mass(queries: Any, keys: Any, scale: float) -> Any:
     return mx.softmax(logits, axis=-1).sum(axis=(0, 1, 2, 3))
 
 
-# ---- the sequence ------------------------------------------------------------------------------
+# ---- scoring and the sparse prefill (both routes) ----------------------------------------------
+
+
+def _runs(kept: list[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive positions of `kept` (ascending), as (start, end), but for the
+    last position (the prompt's last token: whoever decodes feeds it, and gets the first token)."""
+    runs: list[tuple[int, int]] = []
+    start = prev = kept[0]
+    for p in kept[1:]:
+        if p != prev + 1:
+            runs.append((start, prev + 1))
+            start = p
+        prev = p
+    runs.append((start, prev + 1))
+    last_start, last_end = runs[-1]
+    runs[-1] = (last_start, last_end - 1)
+    return [r for r in runs if r[1] > r[0]]
+
+
+class SparsePrefill:
+    """Phases 1-3 of the module docstring for one prompt, a chunk a call (`step`), on a cache of
+    its own (`cache`: `PositionedKVCache` layers). What decodes afterwards feeds the prompt's last
+    token at position `n - 1` (`finish`): the serialized route's `SpecPrefillSequence`, or the
+    batched route's `batch_specprefill.SpecPrefillRow` once it joins the batch."""
+
+    def __init__(
+        self,
+        prompt_tokens: tuple[int, ...],
+        model: Any,
+        scorer: Any,
+        keep_pct: float,
+        backbone_pct: float,
+        counters: SpecPrefillCounters,
+    ) -> None:
+        layers = make_cache(model, None)
+        if not all(type(c) is KVCache for c in layers):
+            raise ValueError("SpecPrefill needs a model whose every layer has a plain KV cache")
+        _install_recorder(scorer)
+        self._tokens = prompt_tokens
+        self._model = model
+        self._scorer = scorer
+        self._scorer_cache: list[Any] | None = make_cache(scorer, None)
+        self._keep_pct = keep_pct
+        self._backbone_pct = backbone_pct
+        self._counters = counters
+        self._prompt = mx.array(prompt_tokens, dtype=mx.uint32)
+        self._scored = 0  # prompt tokens through the scorer
+        #: the kept prompt positions, ascending, once scoring is done (None: scoring)
+        self.kept: list[int] | None = None
+        self._runs: list[tuple[int, int]] = []  # (start, end) positions still to prefill
+        #: the target's cache: the kept tokens, in order, each at its own position
+        self.cache: list[PositionedKVCache] = [PositionedKVCache() for _ in layers]
+        #: kept tokens in `cache`
+        self.fed = 0
+        #: each kept token rotated by its own position (`PositionedRoPE`), else run by run
+        self.positioned = install_positioned_rope(model)
+
+    @property
+    def scoring(self) -> bool:
+        return self.kept is None
+
+    @property
+    def done(self) -> bool:
+        """Every kept token but the last (the prompt's last) is in `cache`."""
+        return self.kept is not None and self.fed >= len(self.kept) - 1
+
+    def kept_tokens(self) -> tuple[int, ...]:
+        assert self.kept is not None
+        return tuple(self._tokens[p] for p in self.kept)
+
+    def step(self, limit: int) -> int:
+        """One scoring chunk of at most `limit` prompt tokens (the last: the scoring window and
+        the selection), or one sparse prefill chunk of at most `limit` kept tokens; return the
+        tokens through the scorer or the target. Raises whatever the models raise."""
+        limit = max(1, limit)
+        began = time.perf_counter()
+        if self.kept is None:
+            n = self._score_chunk(limit)
+            self._counters.scoring_chunks += 1
+            self._counters.scoring_seconds += time.perf_counter() - began
+            return n
+        if self.done:
+            return 0
+        n = self._prefill_positioned(limit) if self.positioned else self._prefill_run(limit)
+        self._counters.sparse_prefill_seconds += time.perf_counter() - began
+        return n
+
+    def finish(self) -> int:
+        """Once `done`: shift every layer so that the next token (the prompt's last) sits at
+        position `n - 1`, and every later one past the full prompt; return the shift (the
+        prompt tokens skipped)."""
+        assert self.kept is not None and self.done
+        shift = len(self._tokens) - len(self.kept)
+        for layer in self.cache:
+            layer.shift = shift
+        return shift
+
+    def _score_chunk(self, limit: int) -> int:
+        assert self._scorer_cache is not None
+        n = len(self._tokens)
+        window_start = n - SCORING_QUERIES
+        if self._scored < window_start:
+            end = min(window_start, self._scored + limit)
+            self._scorer(self._prompt[self._scored : end][None], cache=self._scorer_cache)
+            mx.eval([c.state for c in self._scorer_cache])
+            scored, self._scored = end - self._scored, end
+            mx.clear_cache()
+            return scored
+        _recording.scores = []
+        try:
+            self._scorer(self._prompt[window_start:][None], cache=self._scorer_cache)
+            layers = _recording.scores
+        finally:
+            _recording.scores = None
+        scores = mx.sum(mx.stack(layers), axis=0) if layers else mx.zeros((n,))
+        mx.eval(scores)
+        self._scorer_cache = None  # free the scorer's KV cache before the target runs
+        kept = select_positions(scores, self._keep_pct, self._backbone_pct)
+        self.kept = kept
+        self._runs = _runs(kept)
+        self._counters.requests += 1
+        self._counters.prompt_tokens += n
+        self._counters.kept_tokens += len(kept)
+        return n - window_start
+
+    def _prefill_run(self, limit: int) -> int:
+        """Up to `limit` kept tokens of the next run of consecutive positions, in one pass."""
+        start, end = self._runs[0]
+        end = min(end, start + limit)
+        for layer in self.cache:
+            layer.shift = start - self.fed
+        self._model(self._prompt[start:end][None], cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        mx.clear_cache()
+        n = end - start
+        self.fed += n
+        if end == self._runs[0][1]:
+            self._runs.pop(0)
+        else:
+            self._runs[0] = (end, self._runs[0][1])
+        return n
+
+    def _prefill_positioned(self, limit: int) -> int:
+        """Up to `limit` kept tokens (not the prompt's last) in one pass, each at its position."""
+        assert self.kept is not None
+        todo = len(self.kept) - 1 - self.fed
+        n = min(limit, todo)
+        positions = self.kept[self.fed : self.fed + n]
+        for layer in self.cache:
+            layer.shift = 0
+        _positions.value = mx.array(positions, dtype=mx.int32)
+        try:
+            self._model(self._prompt[mx.array(positions, dtype=mx.uint32)][None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        finally:
+            _positions.value = None
+        mx.clear_cache()
+        self.fed += n
+        if self.fed == len(self.kept) - 1:
+            self._runs = []
+        return n
+
+
+def positioned_cache(keys: Any, values: Any, stored: int, shift: int) -> PositionedKVCache:
+    """A `PositionedKVCache` holding `stored` positions of `keys` / `values` (axis 2), its next
+    token at position `stored + shift` (a SpecPrefill row's cache copied out of a batch)."""
+    cache = PositionedKVCache()
+    cache.keys, cache.values = keys, values
+    cache.stored, cache.shift = stored, shift
+    return cache
+
+
+def stored_length(layer: Any) -> int:
+    """The positions a plain or positioned KV cache layer holds (its write index)."""
+    return int(layer.stored) if isinstance(layer, PositionedKVCache) else int(layer.offset)
+
+
+# ---- the sequence (serialized route) -----------------------------------------------------------
 
 
 class SpecPrefillSequence:
@@ -272,28 +453,21 @@ class SpecPrefillSequence:
         vocab_size: int,
         chunk_tokens: int,
     ) -> None:
-        _install_recorder(scorer)
         self.job = dataclasses.replace(job, store_points=())
         self._model = model
-        self._scorer = scorer
-        self._scorer_cache: list[Any] | None = make_cache(scorer, None)
         self._eos = eos_token_ids
         self._vocab_size = vocab_size
         self._chunk_tokens = chunk_tokens
         self._counters = counters
         keep = job.params.specprefill_keep_pct
-        self._keep_pct = settings.keep_pct if keep is None else keep
-        self._backbone_pct = settings.backbone_pct
-        self._prompt = mx.array(job.prompt_tokens, dtype=mx.uint32)
-        self._scored = 0  # prompt tokens through the scorer
-        self._kept: list[int] | None = None
-        self._runs: list[tuple[int, int]] = []  # (start, end) positions still to prefill
-        layers = make_cache(model, None)
-        if not all(type(c) is KVCache for c in layers):
-            raise ValueError("SpecPrefill needs a model whose every layer has a plain KV cache")
-        self._cache: list[Any] = [PositionedKVCache() for _ in layers]
-        self._fed = 0  # kept tokens in the target's cache
-        self._positioned = install_positioned_rope(model)
+        self._sparse = SparsePrefill(
+            job.prompt_tokens,
+            model,
+            scorer,
+            settings.keep_pct if keep is None else keep,
+            settings.backbone_pct,
+            counters,
+        )
         self._decoder: ActiveSequence | None = None
         self.cached_tokens = 0
         self.finished = False
@@ -306,7 +480,7 @@ class SpecPrefillSequence:
 
     @property
     def cache(self) -> list[Any]:
-        return self._cache
+        return self._sparse.cache
 
     @property
     def prefill_done(self) -> bool:
@@ -315,14 +489,14 @@ class SpecPrefillSequence:
     @property
     def kept_positions(self) -> list[int] | None:
         """The prompt positions the target prefills, once scoring is done."""
-        return self._kept
+        return self._sparse.kept
 
     def fed_tokens(self) -> tuple[int, ...]:
         if self._decoder is not None:
             return self._decoder.fed_tokens()
-        assert self._kept is not None or self._fed == 0
-        kept = self._kept or []
-        return tuple(self.job.prompt_tokens[p] for p in kept[: self._fed])
+        if self._sparse.kept is None:
+            return ()
+        return self._sparse.kept_tokens()[: self._sparse.fed]
 
     def step(self, prefill_limit: int | None = None) -> StepResult:
         """One scoring chunk, one sparse prefill chunk, or the plain route's step."""
@@ -330,18 +504,12 @@ class SpecPrefillSequence:
             result = self._decoder.step(prefill_limit)
             self.finished = self._decoder.finished
             return result
-        limit = max(1, prefill_limit if prefill_limit is not None else self._chunk_tokens)
-        if self._kept is None:
-            began = time.perf_counter()
-            self._score_chunk(limit)
-            self._counters.scoring_chunks += 1
-            self._counters.scoring_seconds += time.perf_counter() - began
-            return StepResult()
+        if not self._sparse.done:
+            limit = prefill_limit if prefill_limit is not None else self._chunk_tokens
+            scoring = self._sparse.scoring
+            n = self._sparse.step(limit)
+            return StepResult(prefilled=0 if scoring else n)
         began = time.perf_counter()
-        if self._runs:
-            n = self._prefill_chunk(limit)
-            self._counters.sparse_prefill_seconds += time.perf_counter() - began
-            return StepResult(prefilled=n)
         self._start_decoding()
         assert self._decoder is not None
         result = self._decoder.step(prefill_limit)
@@ -349,99 +517,16 @@ class SpecPrefillSequence:
         self.finished = self._decoder.finished
         return result
 
-    # phases ----------------------------------------------------------------------------------
-
-    def _score_chunk(self, limit: int) -> None:
-        assert self._scorer_cache is not None
-        n = len(self.job.prompt_tokens)
-        window_start = n - SCORING_QUERIES
-        if self._scored < window_start:
-            end = min(window_start, self._scored + limit)
-            self._scorer(self._prompt[self._scored : end][None], cache=self._scorer_cache)
-            mx.eval([c.state for c in self._scorer_cache])
-            self._scored = end
-            mx.clear_cache()
-            return
-        _recording.scores = []
-        try:
-            self._scorer(self._prompt[window_start:][None], cache=self._scorer_cache)
-            layers = _recording.scores
-        finally:
-            _recording.scores = None
-        scores = mx.sum(mx.stack(layers), axis=0) if layers else mx.zeros((n,))
-        mx.eval(scores)
-        self._scorer_cache = None  # free the scorer's KV cache before the target runs
-        self._kept = select_positions(scores, self._keep_pct, self._backbone_pct)
-        kept = self._kept
-        runs: list[tuple[int, int]] = []
-        start = prev = kept[0]
-        for p in kept[1:]:
-            if p != prev + 1:
-                runs.append((start, prev + 1))
-                start = p
-            prev = p
-        runs.append((start, prev + 1))
-        # The prompt's last token is fed by the decoder (it computes the first token).
-        last_start, last_end = runs[-1]
-        runs[-1] = (last_start, last_end - 1)
-        self._runs = [r for r in runs if r[1] > r[0]]
-        self._counters.requests += 1
-        self._counters.prompt_tokens += n
-        self._counters.kept_tokens += len(kept)
-
-    def _prefill_chunk(self, limit: int) -> int:
-        if self._positioned:
-            return self._prefill_positioned(limit)
-        start, end = self._runs[0]
-        end = min(end, start + limit)
-        for layer in self._cache:
-            layer.shift = start - self._fed
-        self._model(self._prompt[start:end][None], cache=self._cache)
-        mx.eval([c.state for c in self._cache])
-        mx.clear_cache()
-        n = end - start
-        self._fed += n
-        if end == self._runs[0][1]:
-            self._runs.pop(0)
-        else:
-            self._runs[0] = (end, self._runs[0][1])
-        return n
-
-    def _prefill_positioned(self, limit: int) -> int:
-        """Up to `limit` kept tokens (not the prompt's last) in one pass, each at its position."""
-        assert self._kept is not None
-        todo = len(self._kept) - 1 - self._fed
-        n = min(limit, todo)
-        positions = self._kept[self._fed : self._fed + n]
-        for layer in self._cache:
-            layer.shift = 0
-        _positions.value = mx.array(positions, dtype=mx.int32)
-        try:
-            self._model(self._prompt[mx.array(positions, dtype=mx.uint32)][None], cache=self._cache)
-            mx.eval([c.state for c in self._cache])
-        finally:
-            _positions.value = None
-        mx.clear_cache()
-        self._fed += n
-        if self._fed == len(self._kept) - 1:
-            self._runs = []
-        return n
-
     def _start_decoding(self) -> None:
-        assert self._kept is not None
-        n = len(self.job.prompt_tokens)
-        for layer in self._cache:
-            layer.shift = n - len(self._kept)  # the last kept token sits at position n - 1
-        kept_job = dataclasses.replace(
-            self.job, prompt_tokens=tuple(self.job.prompt_tokens[p] for p in self._kept)
-        )
+        self._sparse.finish()  # the last kept token sits at position n - 1
+        kept_job = dataclasses.replace(self.job, prompt_tokens=self._sparse.kept_tokens())
         self._decoder = ActiveSequence(
             kept_job,
             self._model,
             self._eos,
             PrefillPlan(max(1, self._chunk_tokens)),
             vocab_size=self._vocab_size,
-            cache=self._cache,
-            cached_tokens=self._fed,  # >= SCORING_QUERIES - 1: the tail is always kept
+            cache=self._sparse.cache,
+            cached_tokens=self._sparse.fed,  # >= SCORING_QUERIES - 1: the tail is always kept
             split_at_store_points=False,
         )

@@ -48,8 +48,8 @@ from trio_mlx.http.openapi import openapi_document
 from trio_mlx.http.ownership import RequestOwner
 from trio_mlx.http.page import add_page_routes
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
-from trio_mlx.http.responses import start_response
-from trio_mlx.http.responses_requests import ResponsesRequest
+from trio_mlx.http.responses import count_input_tokens, start_response
+from trio_mlx.http.responses_requests import InputTokensRequest, ResponsesRequest
 from trio_mlx.http.state import ServerState
 
 log = logging.getLogger("trio_mlx.http")
@@ -200,6 +200,10 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
                     yield joined([sse_frame(type, data) for type, data in batch])
 
         return _event_stream(frames())
+
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens_route() -> Response:
+        return _json(await count_input_tokens(state, await read_body(InputTokensRequest)))
 
     @app.websocket("/v1/responses")
     async def responses_socket() -> None:

@@ -148,11 +148,19 @@ def failure(final: GenerationOutput) -> dict[str, Any] | None:
 
 
 class TokenText:
-    """Token ids as the strings and bytes the logprobs shapes report (cached per token)."""
+    """Token ids as the strings and bytes the logprobs shapes report (cached per token).
+
+    `bytes` are the token's own bytes, as OpenAI's logprobs give them so that a client can join
+    the pieces of a character split across tokens: read from the vocabulary where the tokenizer
+    says how (byte-level BPE: each symbol one byte; SentencePiece: `<0xNN>` byte tokens, `▁` a
+    space), else the UTF-8 of the token decoded alone (which turns a partial character into
+    U+FFFD)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+        self._pieces = _token_pieces(tokenizer)
 
     def __call__(self, token: int) -> str:
         text = self._cache.get(token)
@@ -162,26 +170,34 @@ class TokenText:
         return text
 
     def bytes(self, token: int) -> list[int]:
-        return list(self(token).encode("utf-8"))
+        raw = self._bytes.get(token)
+        if raw is None:
+            raw = self._pieces(token) if self._pieces is not None else None
+            if raw is None:
+                raw = list(self(token).encode("utf-8"))
+            self._bytes[token] = raw
+        return raw
 
     def chat_logprobs(self, items: Sequence[TokenLogprob] | None) -> ChoiceLogprobs | None:
         """Chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
         if items is None:
             return None
-        return ChoiceLogprobs(
-            content=[
-                TokenLogprobOut(
-                    token=self(item.token),
-                    logprob=item.logprob,
-                    bytes=self.bytes(item.token),
-                    top_logprobs=[
-                        TopLogprob(token=self(t), logprob=lp, bytes=self.bytes(t))
-                        for t, lp in item.top
-                    ],
-                )
-                for item in items
-            ]
-        )
+        return ChoiceLogprobs(content=self.token_logprobs(items))
+
+    def token_logprobs(self, items: Sequence[TokenLogprob]) -> list[TokenLogprobOut]:
+        """Each token as `{token, logprob, bytes, top_logprobs}` (chat's `logprobs.content`, a
+        Responses `output_text`'s `logprobs`)."""
+        return [
+            TokenLogprobOut(
+                token=self(item.token),
+                logprob=item.logprob,
+                bytes=self.bytes(item.token),
+                top_logprobs=[
+                    TopLogprob(token=self(t), logprob=lp, bytes=self.bytes(t)) for t, lp in item.top
+                ],
+            )
+            for item in items
+        ]
 
     def completion_logprobs(
         self, items: Sequence[TokenLogprob] | None, offset: int
@@ -201,13 +217,20 @@ class TokenText:
         return out
 
 
-async def run_to_end(active: ActiveRequest, record: RequestRecord) -> GenerationOutput:
-    """Run an admitted request to its final output. However that ends (done, failed, cancelled
-    because the client went away) the request is closed and its outcome noted in `record`."""
+async def run_to_end(
+    active: ActiveRequest,
+    record: RequestRecord,
+    each: Callable[[GenerationOutput], object] | None = None,
+) -> GenerationOutput:
+    """Run an admitted request to its final output (`each`, if given, is called with every
+    output). However that ends (done, failed, cancelled because the client went away) the
+    request is closed and its outcome noted in `record`."""
     last: GenerationOutput | None = None
     try:
         async for output in outputs(active):
             last = output
+            if each is not None:
+                each(output)
     finally:
         active.close()
         record.finish(last)
@@ -222,3 +245,55 @@ def raise_failure(final: GenerationOutput) -> None:
         detail = error["error"]
         status = 503 if final.finish_reason == "abort" else 500
         raise APIError(status, detail["message"], type=detail["type"], code=detail["code"])
+
+
+def _token_pieces(tokenizer: Any) -> Any:
+    """A function from a token id to its raw bytes (None where the vocabulary does not say),
+    for the vocabularies whose pieces spell bytes (mlx-lm's detokenizer tells which), else None."""
+    from mlx_lm import tokenizer_utils
+
+    detokenizer = type(getattr(tokenizer, "detokenizer", None))
+    to_piece = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if to_piece is None:
+        return None
+    if detokenizer is tokenizer_utils.BPEStreamingDetokenizer:
+        byte_of = {symbol: byte for byte, symbol in _byte_symbols().items()}
+
+        def byte_level(token: int) -> list[int] | None:
+            piece = to_piece(token)
+            if not isinstance(piece, str):
+                return None
+            try:
+                return [byte_of[c] for c in piece]
+            except KeyError:  # an added token spelled in plain text
+                return None
+
+        return byte_level
+    if detokenizer is tokenizer_utils.SPMStreamingDetokenizer:
+
+        def sentencepiece(token: int) -> list[int] | None:
+            piece = to_piece(token)
+            if not isinstance(piece, str):
+                return None
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return [int(piece[3:5], 16)]
+                except ValueError:
+                    return None
+            return list(piece.replace("\u2581", " ").encode("utf-8"))
+
+        return sentencepiece
+    return None
+
+
+def _byte_symbols() -> dict[int, str]:
+    """Byte-level BPE's alphabet: every byte as the printable character that stands for it in
+    the vocabulary (printable Latin-1 bytes as themselves, the rest from U+0100 on)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    symbols = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in symbols:
+            symbols[b] = chr(0x100 + extra)
+            extra += 1
+    return symbols

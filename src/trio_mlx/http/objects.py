@@ -200,9 +200,13 @@ class Completion(_Out):
 
 
 class OutputText(_Out):
+    """A message's text. With `include: ["message.output_text.logprobs"]`, `logprobs` holds each
+    of its tokens (`token`, `logprob`, `bytes`, and `top_logprobs` alternatives)."""
+
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[TokenLogprobOut] | None = None
 
 
 class OutputMessage(_Out):
@@ -225,7 +229,23 @@ class FunctionCallItem(_Out):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(_Out):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_Out):
+    """The model's reasoning (a model whose tokenizer has thinking tags), before its answer.
+    `summary` is empty: the reasoning is given whole, in `content`."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(_Out):
@@ -267,6 +287,38 @@ class ResponseObject(_Out):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)
     output_text: str | None = None
+    top_logprobs: int | None = None
+
+
+class TextTopLogprob(_Out):
+    token: str
+    logprob: float
+
+
+class TextLogprob(_Out):
+    """A token of a `response.output_text.delta` / `.done` event's text (the stream events'
+    shape: no `bytes`, as the API's events have none)."""
+
+    token: str
+    logprob: float
+    top_logprobs: list[TextTopLogprob] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, item: TokenLogprobOut) -> TextLogprob:
+        return cls(
+            token=item.token,
+            logprob=item.logprob,
+            top_logprobs=[
+                TextTopLogprob(token=top.token, logprob=top.logprob) for top in item.top_logprobs
+            ],
+        )
+
+
+class InputTokenCount(_Out):
+    """`POST /v1/responses/input_tokens`: the prompt's length in tokens."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
 
 
 class ResponseStreamEvent(_Out):
@@ -275,7 +327,10 @@ class ResponseStreamEvent(_Out):
     `response.content_part.added`, `response.output_text.delta`, `response.output_text.done`,
     `response.content_part.done`, `response.output_item.done` (for a function call:
     `response.output_item.added`, `response.function_call_arguments.delta`,
-    `response.function_call_arguments.done`, `response.output_item.done`), then
+    `response.function_call_arguments.done`, `response.output_item.done`; for reasoning:
+    `response.output_item.added`, `response.content_part.added` (a `reasoning_text` part),
+    `response.reasoning_text.delta`, `response.reasoning_text.done`,
+    `response.content_part.done`, `response.output_item.done`), then
     `response.completed`, `response.incomplete` or `response.failed`; or `error`."""
 
     type: str
@@ -285,12 +340,14 @@ class ResponseStreamEvent(_Out):
     content_index: int | None = None
     item_id: str | None = None
     item: OutputItem | None = None
-    part: OutputText | None = None
+    part: OutputText | ReasoningText | None = None
     delta: str | None = None
     text: str | None = None
     name: str | None = None
     arguments: str | None = None
-    logprobs: list[Any] | None = None
+    #: On `response.output_text.delta` (the delta's tokens) and `.done` (the text's): empty
+    #: unless the request included `message.output_text.logprobs`.
+    logprobs: list[TextLogprob] | None = None
 
 
 # ---- models and operations ---------------------------------------------------------------------

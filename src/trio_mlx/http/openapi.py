@@ -23,13 +23,14 @@ from trio_mlx.http.objects import (
     Completion,
     ErrorResponse,
     Health,
+    InputTokenCount,
     ModelCard,
     ModelList,
     ResponseObject,
     ResponseStreamEvent,
 )
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
-from trio_mlx.http.responses_requests import ResponsesRequest
+from trio_mlx.http.responses_requests import InputTokensRequest, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -197,6 +198,7 @@ def openapi_document() -> dict[str, Any]:
         ChatCompletionRequest,
         CompletionRequest,
         ResponsesRequest,
+        InputTokensRequest,
         MessagesRequest,
         CountTokensRequest,
         Message,
@@ -207,6 +209,7 @@ def openapi_document() -> dict[str, Any]:
         Completion,
         ResponseObject,
         ResponseStreamEvent,
+        InputTokenCount,
         ModelList,
         ModelCard,
         Health,
@@ -245,6 +248,18 @@ def openapi_document() -> dict[str, Any]:
                         "content": {"application/json": {"schema": _ref(ErrorResponse)}},
                     },
                 },
+            }
+        },
+        "/v1/responses/input_tokens": {
+            "post": {
+                "summary": "Count the input tokens of a response: the prompt `POST /v1/responses` "
+                "would prefill for the same `input`, `instructions` and `tools`",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref(InputTokensRequest)}},
+                },
+                "responses": _json_ok(InputTokenCount)
+                | _errors("400", "404", "413", "415", "500", "503"),
             }
         },
         "/v1/messages": _anthropic(

@@ -10,71 +10,107 @@ needs is checked where the items become a conversation (`responses.input_message
 
 from __future__ import annotations
 
+import copy
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, WithJsonSchema
+from pydantic import ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.requests import ONLY_NULL, ContentPart, Positive, SamplingFields, _Body
+from trio_mlx.http.requests import (
+    ONLY_NULL,
+    ContentPart,
+    Positive,
+    SamplingFields,
+    TopLogprobs,
+    _Body,
+)
 from trio_mlx.http.structured_output import ResponseTextFormat
+
+
+def _when_type(kind: str, then: dict[str, Any]) -> dict[str, Any]:
+    return {"if": {"properties": {"type": {"const": kind}}, "required": ["type"]}, "then": then}
+
+
+def _input_item_schema(schema: dict[str, Any]) -> None:
+    # Which fields each item type has and needs, as `InputItem` reads them and
+    # `responses.input_messages` checks them. `content` is a message's (a string or content
+    # parts) or a reasoning item's (`reasoning_text` parts), `output` a function call output's:
+    # their generated schemas move to their types' conditions (other types do not read them).
+    def without_null(name: str) -> dict[str, Any]:
+        shapes = schema["properties"][name]["anyOf"]
+        return copy.deepcopy({"anyOf": [shape for shape in shapes if shape != {"type": "null"}]})
+
+    message_content, call_output = without_null("content"), without_null("output")
+    schema["properties"]["content"] = {
+        "description": "A message's content: text or content parts; a reasoning item's: "
+        "`reasoning_text` parts. Not read on other items."
+    }
+    schema["properties"]["output"] = {
+        "description": "A function call output's: text or content parts. Not read on other items."
+    }
+    reasoning_part = {
+        "type": "object",
+        "properties": {"type": {"const": "reasoning_text"}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+    }
+    schema["allOf"] = [
+        _when_type(
+            "function_call",
+            {
+                "properties": {
+                    "call_id": {"type": "string"},
+                    "name": {"type": "string", "minLength": 1},
+                    "arguments": {"type": "string"},
+                },
+                "required": ["call_id", "name", "arguments"],
+            },
+        ),
+        _when_type(
+            "function_call_output",
+            {
+                "properties": {"call_id": {"type": "string"}, "output": call_output},
+                "required": ["call_id", "output"],
+            },
+        ),
+        {
+            "if": {
+                "anyOf": [
+                    {"not": {"required": ["type"]}},
+                    {"properties": {"type": {"const": "message"}}},
+                ]
+            },
+            "then": {
+                "properties": {
+                    "role": {"enum": ["system", "developer", "user", "assistant"]},
+                    "content": message_content,
+                },
+                "required": ["role", "content"],
+            },
+        },
+        _when_type(
+            "reasoning",
+            {
+                "properties": {
+                    "content": {
+                        "anyOf": [{"type": "array", "items": reasoning_part}, {"type": "null"}]
+                    }
+                }
+            },
+        ),
+    ]
 
 
 class InputItem(_Body):
     """An item of `input`: a message (`type` "message" or left out: `role` and `content`), a
-    call the assistant made earlier (`function_call`: `call_id`, `name`, `arguments`), or its
-    result (`function_call_output`: `call_id`, `output`). Which fields each needs is checked
-    where the items become a conversation (`responses.input_messages`); the schema states it."""
+    call the assistant made earlier (`function_call`: `call_id`, `name`, `arguments`), its
+    result (`function_call_output`: `call_id`, `output`), or earlier reasoning (`reasoning`:
+    `content` of `reasoning_text` parts). Which fields each needs is checked where the items
+    become a conversation (`responses.input_messages`); the schema states it."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "allOf": [
-                {
-                    "if": {
-                        "properties": {"type": {"const": "function_call"}},
-                        "required": ["type"],
-                    },
-                    "then": {
-                        "properties": {
-                            "call_id": {"type": "string"},
-                            "name": {"type": "string", "minLength": 1},
-                            "arguments": {"type": "string"},
-                        },
-                        "required": ["call_id", "name", "arguments"],
-                    },
-                },
-                {
-                    "if": {
-                        "properties": {"type": {"const": "function_call_output"}},
-                        "required": ["type"],
-                    },
-                    "then": {
-                        "properties": {
-                            "call_id": {"type": "string"},
-                            "output": {"type": ["string", "array"]},
-                        },
-                        "required": ["call_id", "output"],
-                    },
-                },
-                {
-                    "if": {
-                        "anyOf": [
-                            {"not": {"required": ["type"]}},
-                            {"properties": {"type": {"const": "message"}}},
-                        ]
-                    },
-                    "then": {
-                        "properties": {
-                            "role": {"enum": ["system", "developer", "user", "assistant"]},
-                            "content": {"type": ["string", "array"]},
-                        },
-                        "required": ["role", "content"],
-                    },
-                },
-            ]
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=lambda schema: _input_item_schema(schema))
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["system", "developer", "user", "assistant"] | None = None
     content: str | list[ContentPart] | None = None
     id: str | None = None
@@ -83,6 +119,54 @@ class InputItem(_Body):
     name: str | None = None
     arguments: str | None = None
     output: str | list[ContentPart] | None = None
+    # A reasoning item: its parts (`content`, read by `reasoning`), a summary and an encrypted
+    # form (another server's; neither is read).
+    summary: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    reasoning_parts: SkipJsonSchema[Any] = Field(default=None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_of_the_type(cls, data: Any) -> Any:
+        """`content` and `output` as the item's type has them: a reasoning item's `content` is
+        `reasoning_text` parts (read apart), a function call's and its output's `content` and
+        any other item's `output` are no fields of theirs (ignored, as unknown fields are)."""
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("type", "message")
+        data = dict(data)
+        if kind == "reasoning" and "content" in data:
+            data["reasoning_parts"] = data.pop("content")
+        elif kind in ("function_call", "function_call_output"):
+            data.pop("content", None)
+        if kind != "function_call_output":
+            data.pop("output", None)
+        return data
+
+    def reasoning(self, i: int) -> str:
+        """The text of a reasoning item's `reasoning_text` parts (it is the `i`th item)."""
+        parts = self.reasoning_parts
+        if parts is None:
+            return ""
+        if not isinstance(parts, list):
+            raise APIError(
+                400, "a reasoning item's content is a list of parts", param=f"input[{i}].content"
+            )
+        texts = []
+        for j, part in enumerate(parts):
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "reasoning_text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise APIError(
+                    400,
+                    "a reasoning item's content parts are "
+                    '{"type": "reasoning_text", "text": "..."}',
+                    param=f"input[{i}].content[{j}]",
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ResponseTool(_Body):
@@ -100,8 +184,79 @@ class ResponseText(_Body):
     format: ResponseTextFormat | None = None
 
 
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | dict[str, Any] | None,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {
+                    "type": "object",
+                    "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
+                    "required": ["type", "name"],
+                },
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+
+
+def _chat_tools(tools: list[ResponseTool] | None) -> list[dict[str, Any]] | None:
+    """Function tools in the chat shape (`{"type": "function", "function": {...}}`)."""
+    if not tools:
+        return None
+    return [
+        {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
+        for tool in tools
+    ]
+
+
+def _no_previous_response(previous_response_id: str | None) -> None:
+    if previous_response_id is not None:
+        raise APIError(
+            400,
+            "previous_response_id is not supported: this server does not "
+            "store responses; send the conversation as input items",
+            param="previous_response_id",
+            code="unsupported_value",
+        )
+
+
+#: What `include` may ask for. Only the text's logprobs are ever added here: the others are
+#: about items this server does not make (built-in tools' calls, reasoning's encrypted content)
+#: or stores (input images), so there is nothing of them to include.
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+
+
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses (and a `response.create` message on its WebSocket)."""
+
+    # `top_logprobs` above 0 needs the logprobs included (refused in `check_supported`).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                "required": ["top_logprobs"],
+            },
+            "then": {
+                "properties": {
+                    "include": {"type": "array", "contains": {"const": OUTPUT_TEXT_LOGPROBS}}
+                },
+                "required": ["include"],
+            },
+        }
+    )
 
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
@@ -112,42 +267,64 @@ class ResponsesRequest(SamplingFields):
     text: ResponseText | None = None
     tools: list[ResponseTool] | None = None
     # Checked against `tools` in `http/tooling.py` (a named function must be one of them).
-    tool_choice: Annotated[
-        Literal["none", "auto", "required"] | dict[str, Any] | None,
-        WithJsonSchema(
-            {
-                "anyOf": [
-                    {"enum": ["none", "auto", "required"]},
-                    {
-                        "type": "object",
-                        "properties": {
-                            "type": {"const": "function"},
-                            "name": {"type": "string"},
-                        },
-                        "required": ["type", "name"],
-                    },
-                    {"type": "null"},
-                ]
-            }
-        ),
-    ] = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
+    include: list[Includable] | None = None
+    top_logprobs: TopLogprobs | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text's logprobs are included."""
+        return OUTPUT_TEXT_LOGPROBS in (self.include or ())
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
-        """The function tools in the chat shape (`{"type": "function", "function": {...}}`)."""
-        if not self.tools:
-            return None
-        return [
-            {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
-            for tool in self.tools
-        ]
+        return _chat_tools(self.tools)
 
     def check_supported(self) -> None:
-        if self.previous_response_id is not None:
+        _no_previous_response(self.previous_response_id)
+        if self.top_logprobs and not self.logprobs:
             raise APIError(
                 400,
-                "previous_response_id is not supported: this server does not "
-                "store responses; send the conversation as input items",
-                param="previous_response_id",
-                code="unsupported_value",
+                f"top_logprobs needs include to contain {OUTPUT_TEXT_LOGPROBS!r}",
+                param="top_logprobs",
+            )
+
+
+class InputTokensRequest(_Body):
+    """POST /v1/responses/input_tokens: the prompt fields of a Responses request, whose prompt
+    is counted as `POST /v1/responses` would prefill it (`input` or `instructions` needed)."""
+
+    # `input` or non-empty `instructions` (refused in `check_supported`).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["input"], "properties": {"input": {"not": {"type": "null"}}}},
+                {
+                    "required": ["instructions"],
+                    "properties": {"instructions": {"type": "string", "minLength": 1}},
+                },
+            ]
+        }
+    )
+
+    model: str | None = Field(default=None, description="A name from GET /v1/models.")
+    input: str | Annotated[list[InputItem], Field(min_length=1)] | None = None
+    instructions: str | None = None
+    previous_response_id: Annotated[str | None, ONLY_NULL] = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        return _chat_tools(self.tools)
+
+    def check_supported(self) -> None:
+        _no_previous_response(self.previous_response_id)
+        if self.input is None and not self.instructions:
+            raise APIError(
+                400,
+                "input or instructions is needed: there is no prompt to count",
+                param="input",
+                code="missing_required_parameter",
             )

@@ -17,7 +17,7 @@ Sources, each under `MediaPolicy`:
 Every refusal is an `InvalidRequest` whose `param` names the part (`messages[1].content[0]
 .image_url`): a bad input is a 400, never a 500. Decoding (`decode_image`, `decode_video`) is
 CPU work for a worker thread: Pillow with a pixel limit; video through OpenCV, `video_fps` frames
-a second, at most `video_max_frames`, evenly spread.
+a second, at most `video_max_frames`, evenly spread, read in order (seeking only past long gaps).
 """
 
 from __future__ import annotations
@@ -296,11 +296,33 @@ def decode_image(data: bytes, param: str, policy: MediaPolicy) -> Any:
         raise media_error(param, "the image cannot be decoded") from None
 
 
-def decode_video(data: bytes, param: str, policy: MediaPolicy) -> list[Any]:
-    """Frames (PIL, RGB) sampled from an encoded video: `video_fps` a second, at most
-    `video_max_frames`, evenly spread over the video."""
+#: `decode_video` reaches a pick by decoding the frames before it (`grab`) when it has at most
+#: this many to skip, by a seek when more. A seek costs at least 16 frame decodes (below) plus the
+#: distance back to a keyframe; 32 is about where the two cost the same with keyframes 1-2 s
+#: apart at 30 fps.
+SEQUENTIAL_GAP = 32
+
+
+def sample_indices(count: int, fps: float, policy: MediaPolicy) -> list[int]:
+    """The frames `decode_video` takes from a video of `count` frames at `fps`: `video_fps` a
+    second, at most `video_max_frames`, evenly spread, first and last included."""
+    wanted = max(1, min(policy.video_max_frames, round(count / fps * policy.video_fps)))
+    return sorted({round(i * (count - 1) / max(wanted - 1, 1)) for i in range(wanted)})
+
+
+def decode_video(data: bytes, param: str, policy: MediaPolicy) -> Any:
+    """Frames sampled from an encoded video (`sample_indices`), as one uint8 array of shape
+    (frames, 3, height, width), RGB: what mlx-vlm's own `load_video` hands its processors. An odd
+    number of frames gets its last frame again (Qwen-VL's temporal patches of two).
+
+    The frames are read in order, each pick reached by decoding the frames between it and the
+    last one read (`grab`: decoded, not converted) or, past `SEQUENTIAL_GAP` of them, by a seek.
+    OpenCV's seek (`CAP_PROP_POS_FRAMES`) goes back to a keyframe at least 16 frames before its
+    target and decodes forward from there: seeking to every pick, as mlx-vlm's `load_video`
+    does, decodes each frame of a dense sample many times over (all 16 frames of a 16-frame
+    448x448 MJPEG clip: 136 decodes instead of 16). The frames are the same either way."""
     import cv2
-    from PIL import Image
+    import numpy as np
 
     with tempfile.NamedTemporaryFile(suffix=".video") as file:
         file.write(data)
@@ -313,22 +335,27 @@ def decode_video(data: bytes, param: str, policy: MediaPolicy) -> list[Any]:
             fps = float(capture.get(cv2.CAP_PROP_FPS) or 0.0) or 25.0
             if count <= 0:
                 raise media_error(param, "the video has no frames")
-            wanted = max(1, min(policy.video_max_frames, round(count / fps * policy.video_fps)))
-            picks = sorted({round(i * (count - 1) / max(wanted - 1, 1)) for i in range(wanted)})
             frames = []
-            for index in picks:
-                capture.set(cv2.CAP_PROP_POS_FRAMES, index)
-                ok, frame = capture.read()
-                if not ok:
+            position = 0  # the frame the next read returns (-1: unknown, seek)
+            for index in sample_indices(count, fps, policy):
+                skip = index - position  # frames to decode through before the pick
+                if position < 0 or not 0 <= skip <= SEQUENTIAL_GAP:
+                    capture.set(cv2.CAP_PROP_POS_FRAMES, index)
+                    skip = 0
+                while skip and capture.grab():
+                    skip -= 1
+                ok, frame = (False, None) if skip else capture.read()
+                position = index + 1 if ok else -1
+                if not ok or frame is None:
                     continue
                 height, width = frame.shape[:2]
                 if width * height > policy.max_image_pixels:
                     raise media_error(param, "the video's frames are too large")
-                frames.append(Image.fromarray(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)))
+                frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
         finally:
             capture.release()
     if not frames:
         raise media_error(param, "the video cannot be decoded")
     if len(frames) % 2:  # temporal patches of two frames (Qwen-VL): repeat the last one
         frames.append(frames[-1])
-    return frames
+    return np.stack(frames).transpose(0, 3, 1, 2)

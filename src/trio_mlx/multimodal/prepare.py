@@ -104,33 +104,81 @@ def check_media(refs: Sequence[MediaRef], vlm: VisionProcessing, policy: MediaPo
 
 
 def _numpy(value: Any) -> Any:
+    """A processor's output as numpy: an MLX array (mlx-vlm's processors return them) as a view
+    of its own memory, not a copy (the runner copies it into MLX once: `vision.embed_prompt`)."""
     if isinstance(value, np.ndarray):
         return value
     if hasattr(value, "tolist") and hasattr(value, "dtype"):  # an MLX array from the processor
-        return np.array(value)
+        try:
+            return np.asarray(memoryview(value))
+        except (TypeError, ValueError, BufferError):  # no buffer numpy reads (bfloat16)
+            return np.array(value)
     return value
+
+
+def _update(digest: Any, name: str, value: Any) -> None:
+    digest.update(name.encode())
+    if isinstance(value, np.ndarray):
+        digest.update(str((value.shape, value.dtype.str)).encode())
+        contiguous = np.ascontiguousarray(value)
+        try:
+            digest.update(contiguous.data.cast("B"))  # no copy of the bytes
+        except (TypeError, ValueError):  # a dtype without a buffer format
+            digest.update(contiguous.tobytes())
+    else:
+        digest.update(repr(value).encode())
 
 
 def _hash_arrays(arrays: Mapping[str, Any]) -> str:
     digest = hashlib.sha256()
     for name in sorted(arrays):
-        value = arrays[name]
-        digest.update(name.encode())
-        if isinstance(value, np.ndarray):
-            digest.update(str((value.shape, value.dtype.str)).encode())
-            digest.update(np.ascontiguousarray(value).tobytes())
-        else:
-            digest.update(repr(value).encode())
+        _update(digest, name, arrays[name])
     return digest.hexdigest()
 
 
+#: the processors' pixel arrays whose rows are split among the media by a grid of (t, h, w) rows
+#: (Qwen-style), with that grid's name
+_GRIDDED = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+
+
+def media_hashes(arrays: Mapping[str, Any]) -> tuple[str, list[int]]:
+    """The request's media key (a hash of all of `arrays`: the vision cache's key) and an id for
+    each medium in prompt order (a hash of its pixels and its grid row, where a Qwen-style grid
+    splits the pixels; otherwise one id, the media key's, for all of them). Each array's bytes
+    are read once: the media key hashes the per-medium hashes of the split pixel arrays."""
+    per_medium: list[str] = []
+    covered: dict[str, list[str]] = {}
+    for pixels_name, grid_name in _GRIDDED:
+        pixels, grid = arrays.get(pixels_name), arrays.get(grid_name)
+        if isinstance(pixels, np.ndarray) and isinstance(grid, np.ndarray) and grid.ndim == 2:
+            parts: list[str] = []
+            start = 0
+            for row in grid:
+                rows = int(np.prod(row))
+                parts.append(_hash_arrays({"pixels": pixels[start : start + rows], "grid": row}))
+                start += rows
+            if start != len(pixels):  # rows the grid does not name: hashed whole below
+                continue
+            covered[pixels_name] = parts
+            per_medium += parts
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        if name in covered:
+            digest.update(name.encode())
+            digest.update(str(arrays[name].shape).encode())
+            digest.update("".join(covered[name]).encode())
+        else:
+            _update(digest, name, arrays[name])
+    key = digest.hexdigest()
+    return key, [int(h[:12], 16) for h in per_medium or [key]]
+
+
 def _media_cache_key(
-    tokens: Sequence[int], media_ids: frozenset[int], arrays: Mapping[str, Any]
+    tokens: Sequence[int], media_ids: frozenset[int], per_medium: Sequence[int]
 ) -> tuple[int, ...]:
-    """`tokens` with each run of media positions (one image or video) replaced by ids from a
-    hash of that medium's pixels (Qwen-style grids split the pixels per image; otherwise the
+    """`tokens` with each run of media positions (one image or video) replaced by ids from that
+    medium's hash (`media_hashes`: Qwen-style grids split the pixels per medium; otherwise the
     whole request's media stand for every run)."""
-    per_medium = _per_medium_hashes(arrays)
     key: list[int] = []
     run = -1
     previous_media = False
@@ -148,25 +196,6 @@ def _media_cache_key(
             key.append(int(token))
             previous_media = False
     return tuple(key)
-
-
-def _per_medium_hashes(arrays: Mapping[str, Any]) -> list[int]:
-    hashes: list[int] = []
-    for pixels_name, grid_name in (
-        ("pixel_values", "image_grid_thw"),
-        ("pixel_values_videos", "video_grid_thw"),
-    ):
-        pixels, grid = arrays.get(pixels_name), arrays.get(grid_name)
-        if isinstance(pixels, np.ndarray) and isinstance(grid, np.ndarray) and grid.ndim == 2:
-            start = 0
-            for row in grid:
-                rows = int(np.prod(row))
-                part = {"pixels": pixels[start : start + rows], "grid": row}
-                hashes.append(int(_hash_arrays(part)[:12], 16))
-                start += rows
-    if not hashes:
-        hashes.append(int(_hash_arrays(arrays)[:12], 16))
-    return hashes
 
 
 def template_owner(processor: Any) -> Any:
@@ -236,11 +265,9 @@ def render_and_process(
         arrays.pop("attention_mask", None)
         request = preparer._prepare(ids, "messages", max_tokens, temperature, top_p, stop, options)
     media_ids = frozenset(t for t in (vlm.image_token_id, vlm.video_token_id) if t is not None)
+    media_key, per_medium = media_hashes(arrays)
     vision = VisionInputs(
-        arrays=arrays,
-        media_key=_hash_arrays(arrays),
-        images=len(images),
-        videos=len(videos),
+        arrays=arrays, media_key=media_key, images=len(images), videos=len(videos)
     )
     # every field of the prepared request (its grammar, processors, reasoning tags, ...) as
     # the text path's, but the system prefix: a prompt with media is cached by its media key
@@ -248,7 +275,7 @@ def render_and_process(
     return MultimodalRequest(
         **(prepared | {"system_prefix": None}),
         vision=vision,
-        cache_key=_media_cache_key(request.prompt_tokens, media_ids, arrays),
+        cache_key=_media_cache_key(request.prompt_tokens, media_ids, per_medium),
     )
 
 

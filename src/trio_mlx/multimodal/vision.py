@@ -97,12 +97,22 @@ class PromptEmbeddings:
     rope_deltas: Any
 
 
+#: per model class: whether its `get_input_embeddings` takes `cached_image_features`
+_TAKES_CACHED: dict[type, bool] = {}
+
+
 def _takes_cached_features(model: Any) -> bool:
-    try:
-        source = inspect.getsource(type(model).get_input_embeddings)
-    except (OSError, TypeError):
-        return False
-    return "cached_image_features" in source
+    """Whether the model's `get_input_embeddings` takes `cached_image_features`, read from its
+    source once per class (`inspect.getsource` tokenizes the method: ~1 ms a request)."""
+    cls = type(model)
+    known = _TAKES_CACHED.get(cls)
+    if known is None:
+        try:
+            source = inspect.getsource(cls.get_input_embeddings)
+        except (OSError, TypeError, AttributeError):
+            source = ""
+        known = _TAKES_CACHED[cls] = "cached_image_features" in source
+    return known
 
 
 def _compute_features(model: Any, pixels: Any, extras: dict[str, Any]) -> Any:

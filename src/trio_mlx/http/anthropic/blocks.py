@@ -13,14 +13,19 @@ and the same answer whole are one thing:
   `input_json_delta` events whose `partial_json`, joined, is the block's `input` as JSON text;
 - an answer with neither text nor calls ends with one empty `text` block.
 
-A call whose arguments are not a JSON object (a model's malformed call) has `input` `{}`.
+A call cut short (the answer ran out of `max_tokens`, or met a stop sequence, inside its
+arguments) keeps its block, as Anthropic's answers do: its `input` holds the arguments' keys
+whose values were written whole, what the official clients' stream accumulators make of the
+same `partial_json`. A call whose arguments are not a JSON object (a model's malformed call) has
+`input` `{}`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Any, Literal
+
+from pydantic_core import from_json
 
 from trio_mlx.http.anthropic.objects import (
     AnthropicObject,
@@ -88,8 +93,10 @@ class _Block:
 
 
 def _input(arguments: str) -> dict[str, Any]:
+    """A call's `input`: its arguments' JSON object, or, cut short, what of it is whole (the
+    keys whose values are complete), as the official clients read a stream's `partial_json`."""
     try:
-        value = json.loads(arguments or "{}")
+        value = from_json(arguments or "{}", allow_partial=True)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -10,7 +10,10 @@ a batch, the other sequences go on.
 
 With `tools` (`anthropic/tools.py` on `http/tooling.py`), the answer's text is read by the model
 family's call reader: its calls are `tool_use` blocks (`id` `toolu_...`, `name`, `input`), its
-other text `text` blocks, in the order written (`blocks.ContentWriter`).
+other text `text` blocks, in the order written (`blocks.ContentWriter`), whole or streamed. A
+call cut short (by `max_tokens`, or a stop sequence inside its arguments) is the answer's last
+block, as in Anthropic's answers: a `tool_use` block of what its input got whole, under the stop
+reason that cut it (never `tool_use`).
 
 `stop_reason`: `end_turn` (the model's end of turn, EOS), `stop_sequence` (with the sequence in
 `stop_sequence`), `tool_use` (the answer made calls and was not cut short; `stop_sequence` still
@@ -36,7 +39,6 @@ from trio_mlx.http.anthropic.objects import (
     MessageUsage,
     StopReason,
     TokenCount,
-    ToolUseBlock,
 )
 from trio_mlx.http.anthropic.requests import CountTokensRequest, MessagesRequest
 from trio_mlx.http.errors import APIError
@@ -235,27 +237,17 @@ class MessageRun:
         return "stop_sequence" if final.stop_sequence is not None else "end_turn"
 
     def message(self, final: GenerationOutput) -> Message:
-        """The whole answer, its blocks written as the stream writes them."""
+        """The whole answer, its blocks written as the stream writes them: a call cut short is
+        there as it is in the stream (a `tool_use` block of what its input got whole; the stop
+        reason, not `tool_use`, says it was not made)."""
         whole = dataclasses.replace(final, new_text=final.text, new_reasoning=final.reasoning)
         blocks = ContentWriter()
         blocks.feed(self.events(whole))
         blocks.finish()
-        content = blocks.content()
-        if self.reader is not None:  # only the calls the reader counts whole (a forced reply
-            # cut short leaves its last call out; a stream has sent its pieces already)
-            complete = self.reader.calls
-            kept = []
-            for block in content:
-                if isinstance(block, ToolUseBlock):
-                    if complete == 0:
-                        continue
-                    complete -= 1
-                kept.append(block)
-            content = kept
         return Message(
             id=self.id,
             model=self.model,
-            content=content,
+            content=blocks.content(),
             stop_reason=self.stop_reason(final, blocks.calls),
             stop_sequence=final.stop_sequence,
             usage=MessageUsage.of(final),
