@@ -145,6 +145,11 @@ class RequestStream:
         self._done = False
         self.final: GenerationOutput | None = None
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's prompt length in tokens."""
+        return self._prompt_tokens
+
     def __aiter__(self) -> RequestStream:
         return self
 

@@ -33,7 +33,7 @@ from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.chat import template_messages
 from trio_mlx.http.errors import APIError
-from trio_mlx.http.generation import admit, failure, new_id, outputs, prepare_async, run_to_end
+from trio_mlx.http.generation import failure, new_id, outputs, run_to_end, start
 from trio_mlx.http.objects import (
     ErrorDetail,
     FunctionCallItem,
@@ -163,11 +163,12 @@ async def start_response(
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
         options.setdefault("output_format", output_format)  # its reply has no content
     try:
-        prepared = await prepare_async(
-            lambda: engine.prepare_chat_async(
+        active = await start(
+            lambda: engine.start_chat(
                 plan.messages,
                 max_tokens=body.max_output_tokens,
                 tools=plan.template_tools,
+                arrival=record.arrival,
                 **options,
             )
         )
@@ -175,8 +176,7 @@ async def start_response(
         added = len(plan.messages) - len(messages)  # a system prompt offering the tools
         name_input_field(exc, [-1] * added + where)
         raise
-    record.prompt_tokens = len(prepared.prompt_tokens)
-    active = await admit(engine, prepared)
+    record.prompt_tokens = active.stream.prompt_tokens
     return ResponseRun(engine, model, body, active, record, plan.reader())
 
 
