@@ -11,8 +11,9 @@ from trio_mlx.actors.engine import Engine
 
 def idle_problems(engine: Engine) -> list[str]:
     """What is still busy, from the engine's own state: admission (no slot held, nobody queued),
-    the runner (no live sequence, no request in flight on the Trio side, i.e. no sink left).
-    Empty when the engine is idle."""
+    the runner (no live sequence, no request in flight on the Trio side, i.e. no sink left, none
+    noted as on its way), the preparation worker (nothing queued). Empty when the engine is
+    idle."""
     stats = engine.get_stats()
     runner = stats["runner"]
     problems = []
@@ -24,6 +25,10 @@ def idle_problems(engine: Engine) -> list[str]:
         problems.append(f"{runner['live_sequences']} live sequence(s) on the runner")
     if runner["requests_in_flight"]:
         problems.append(f"{runner['requests_in_flight']} request(s) in flight (sinks held)")
+    if runner["arriving"]:
+        problems.append(f"{runner['arriving']} request(s) still noted as on their way")
+    if stats["preparing"]:
+        problems.append(f"{stats['preparing']} request(s) queued for preparation")
     return problems
 
 

@@ -49,7 +49,10 @@ class AdmissionStats:
     memory_waits: int = 0
 
 
-class _Waiter:
+class Waiter:
+    """A request's place in the admission queue: `event` is set when it is granted a slot
+    (`granted`) or the engine closes (`closed`)."""
+
     __slots__ = ("closed", "event", "granted", "kv_bytes")
 
     def __init__(self, kv_bytes: int = 0) -> None:
@@ -76,7 +79,7 @@ class AdmissionBook:
         self.max_waiting = max_waiting if mode == "wait" else 0
         self._running: dict[int, float] = {}
         self._reserved: dict[int, int] = {}
-        self._waiting: OrderedDict[int, _Waiter] = OrderedDict()
+        self._waiting: OrderedDict[int, Waiter] = OrderedDict()
         self._closed = False
         self.admitted = 0
         self.busy_rejections = 0
@@ -109,7 +112,7 @@ class AdmissionBook:
             return True
         return False
 
-    def enqueue(self, request_id: int, kv_bytes: int = 0) -> _Waiter:
+    def enqueue(self, request_id: int, kv_bytes: int = 0) -> Waiter:
         """Join the queue, or raise `EngineBusy` when this mode or the queue's size forbids it."""
         if self._closed:
             raise EngineClosed("the engine is shutting down")
@@ -122,7 +125,7 @@ class AdmissionBook:
                 f"{what}: {len(self._running)} running, {len(self._waiting)} waiting",
                 retry_after=self.retry_after(),
             )
-        waiter = _Waiter(kv_bytes)
+        waiter = Waiter(kv_bytes)
         self._waiting[request_id] = waiter
         return waiter
 
@@ -216,18 +219,27 @@ class AdmissionController:
         """A lease for `request_id` whose KV cache takes `kv_bytes` at its token limit, or
         `EngineBusy` / `EngineClosed`. Always a checkpoint."""
         await trio.lowlevel.checkpoint()
+        entry = self.enter(request_id, kv_bytes)
+        if isinstance(entry, Lease):
+            return entry
+        return await self.wait(request_id, entry)
+
+    def enter(self, request_id: int, kv_bytes: int = 0) -> Lease | Waiter:
+        """Synchronously: a lease if a slot is free (and nobody waits), else a place in the
+        queue to `wait` on; `EngineBusy` / `EngineClosed` when neither is to be had. Requests
+        entering in turn are served in that order."""
         if self.book.try_admit(request_id, kv_bytes):
             return Lease(self.book, request_id)
-        waiter = self.book.enqueue(request_id, kv_bytes)
+        return self.book.enqueue(request_id, kv_bytes)
+
+    async def wait(self, request_id: int, waiter: Waiter) -> Lease:
+        """Wait (at most `max_wait` seconds) for the slot of a request `enter` queued."""
         try:
             with trio.move_on_after(self.max_wait):
                 await waiter.event.wait()
         except BaseException:
             # Cancelled while queued: leave the queue, or give back a slot granted meanwhile.
-            if waiter.granted:
-                self.book.release(request_id)
-            else:
-                self.book.leave_queue(request_id)
+            self.leave(request_id, waiter)
             raise
         if not waiter.event.is_set():
             self.book.leave_queue(request_id)
@@ -242,3 +254,11 @@ class AdmissionController:
                 reason="timeout",
             )
         return Lease(self.book, request_id)
+
+    def leave(self, request_id: int, waiter: Waiter) -> None:
+        """A queued request gives up: it leaves the queue, or gives back a slot granted
+        meanwhile. Synchronous and idempotent."""
+        if waiter.granted:
+            self.book.release(request_id)
+        else:
+            self.book.leave_queue(request_id)

@@ -2,23 +2,37 @@
 
 A request goes through three stages, each of which can refuse it before anything is generated:
 1. `prepare_generate_async` / `prepare_chat_async` (inherited from `engine_prepare.PrepareStage`,
-   see there): tokenize (and render the chat template) on a worker thread behind a
-   `CapacityLimiter(1)`, after a length check on the caller's thread that refuses a text too
-   long for the context without tokenizing it; validate the sampling parameters, check the
-   prompt against the context (`InvalidRequest`, `PromptTooLong`). `prepare_generate` /
-   `prepare_chat` are the same work, synchronous, on the calling thread (prefer the async
-   forms);
-2. `open_stream` (async context manager): admission (`EngineBusy`, `EngineClosed`), then the job
-   goes to the runner and a `RequestStream` comes back;
+   see there): tokenize (and render the chat template) on the preparation worker, one request at
+   a time in arrival order (`prepare_queue`), after a length check on the caller's thread that
+   refuses a text too long for the context without tokenizing it; validate the sampling
+   parameters, check the prompt against the context (`InvalidRequest`, `PromptTooLong`).
+   `prepare_generate` / `prepare_chat` are the same work, synchronous, on the calling thread
+   (prefer the async forms);
+2. `open_stream` (async context manager) or `start_request`: admission (`EngineBusy`,
+   `EngineClosed`), then the job goes to the runner and a `RequestStream` comes back;
 3. iterating the stream: `GenerationOutput`s until one has `finished=True`.
+
+`start_chat` / `start_generate` are stages 1 and 2 in one call, and what every surface uses (the
+convenience API below, the HTTP routes): the request enters admission, and if admitted goes to
+the runner, on the Trio thread the moment the worker has prepared it, in the worker's order, so
+requests are admitted in the order they arrived, whatever order the Trio scheduler wakes their
+callers in afterwards. A caller that goes away meanwhile leaves nothing: its preparation never
+starts, or its result is dropped, or its admission is undone.
 
 Leaving `open_stream`'s block for any reason (done, cancelled, an exception, `break`) aborts the
 runner's work for the request at its next step boundary and frees the admission slot, both with
-synchronous calls in `finally`, so it also happens inside a cancelled scope.
+synchronous calls in `finally`, so it also happens inside a cancelled scope (`ActiveRequest.close`
+likewise).
+
+Bursts: from the moment a request is known to be on its way (`arriving()`: the HTTP layer notes
+one as soon as its body has arrived; `start_*` notes its own otherwise) until it enters
+admission, the runner knows it is coming (`Runner.arriving`), and an idle batch lets the first
+arrivals of a burst wait, prefilled, for the rest before they decode (`batch_loop`), as they
+would had they all arrived at once.
 
 `generate`, `stream_generate`, `chat` and `stream_chat` are the convenience API on top (the
-vllm-mlx `SimpleEngine` surface); they prepare through the async forms. Sampling defaults are
-`DEFAULT_TEMPERATURE` / `DEFAULT_TOP_P` (OpenAI's 1.0 / 1.0), the same on every surface.
+vllm-mlx `SimpleEngine` surface). Sampling defaults are `DEFAULT_TEMPERATURE` / `DEFAULT_TOP_P`
+(OpenAI's 1.0 / 1.0), the same on every surface.
 
 Prefix KV cache: requests whose prompt starts with tokens already computed (a shared system
 prompt, the previous turn of a conversation, a retry) prefill only the new tokens; see
@@ -31,11 +45,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Unpack
 
-from trio_mlx.actors.admission import AdmissionController
+import trio
+
+from trio_mlx.actors.admission import AdmissionController, Lease, Waiter
 from trio_mlx.actors.engine_prepare import PrepareStage
 from trio_mlx.actors.engine_stats import FinishedRequests, cache_stats, engine_stats
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
@@ -48,6 +66,7 @@ from trio_mlx.engine.decode import GenerationJob
 from trio_mlx.engine.scheduling import kv_bytes_at_limit
 from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError
 from trio_mlx.multimodal.job import MultimodalJob
+from trio_mlx.multimodal.parts import has_media
 from trio_mlx.multimodal.prepare import MultimodalRequest
 from trio_mlx.preparation import PreparedRequest, ReasoningTags, SamplingOptions
 from trio_mlx.text.detokenizer import decoder_for
@@ -119,6 +138,120 @@ class Engine(PrepareStage):
 
     async def start_request(self, request: PreparedRequest) -> ActiveRequest:
         """Admit `request` and hand it to the runner. The caller must `close()` the result."""
+        await trio.lowlevel.checkpoint()
+        return await self._admitted(self._enter(request))
+
+    async def start_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        stop: str | Sequence[str] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        images: Sequence[Any] | None = None,
+        videos: Sequence[Any] | None = None,
+        arrival: Arrival | None = None,
+        **options: Unpack[SamplingOptions],
+    ) -> ActiveRequest:
+        """`prepare_chat_async` then `start_request`, with admission in arrival order: the
+        request enters admission, and if admitted goes to the runner, on the Trio thread the
+        moment its preparation is done, before any request that arrived after it (media are
+        fetched first, so a chat with media enters when they are processed). The caller must
+        `close()` the result. Raises what either step raises."""
+        self._check_alive()
+        if images or videos or has_media(messages):
+            try:
+                request = await self.prepare_chat_async(
+                    messages,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    stop=stop,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                    images=images,
+                    videos=videos,
+                    **options,
+                )
+            finally:
+                if arrival is not None:
+                    arrival.done()
+            return await self.start_request(request)
+        self._preparer.check_chat_length(messages)
+        return await self._start_in_order(
+            partial(
+                self.prepare_chat,
+                messages,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                **options,
+            ),
+            arrival,
+        )
+
+    async def start_generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        stop: str | Sequence[str] | None = None,
+        arrival: Arrival | None = None,
+        **options: Unpack[SamplingOptions],
+    ) -> ActiveRequest:
+        """`prepare_generate_async` then `start_request`, with admission in arrival order (see
+        `start_chat`). The caller must `close()` the result."""
+        self._check_alive()
+        if isinstance(prompt, str):
+            self._preparer.check_text_length(len(prompt), "prompt")
+        return await self._start_in_order(
+            partial(
+                self.prepare_generate,
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop=stop,
+                **options,
+            ),
+            arrival,
+        )
+
+    def arriving(self) -> Arrival:
+        """Note a request on its way (from the moment it is known, e.g. an HTTP request's
+        first byte, to `Arrival.done()`): while requests are on their way, an idle runner lets
+        the first arrivals of a burst wait for the others before they decode (`batch_loop`)."""
+        return Arrival(self._runner)
+
+    async def _start_in_order(
+        self, prepare: Callable[[], PreparedRequest], arrival: Arrival | None = None
+    ) -> ActiveRequest:
+        """Prepare on the preparation worker, then enter admission on the Trio thread in the
+        worker's (arrival) order, and wait for a slot if queued."""
+        arrival = arrival or self.arriving()
+
+        def enter(request: PreparedRequest) -> ActiveRequest | _Queued:
+            assert arrival is not None
+            arrival.done()
+            return self._enter(request)
+
+        try:
+            entry = await self._preparing.run(prepare, then=enter, discard=_give_up)
+        finally:
+            arrival.done()
+        return await self._admitted(entry)
+
+    def _enter(self, request: PreparedRequest) -> ActiveRequest | _Queued:
+        """Synchronously: admit `request` and hand it to the runner, or queue it for a slot.
+        Raises `EngineBusy`, `EngineClosed`, `EngineCrashed`."""
         self._check_alive()
         submitted_at = time.monotonic()
         request_id = next(self._request_ids)
@@ -131,7 +264,22 @@ class Engine(PrepareStage):
                 book.kv_bytes_per_token,
                 self.config.max_kv_size,
             )
-        lease = await self._admission.acquire(request_id, kv_bytes)
+        entry = self._admission.enter(request_id, kv_bytes)
+        if isinstance(entry, Lease):
+            return self._launch(request, request_id, entry, submitted_at)
+        return _Queued(request, request_id, entry, submitted_at, self._admission)
+
+    async def _admitted(self, entry: ActiveRequest | _Queued) -> ActiveRequest:
+        """The admitted request: at once, or once its slot is granted."""
+        if isinstance(entry, ActiveRequest):
+            return entry
+        lease = await self._admission.wait(entry.request_id, entry.waiter)
+        return self._launch(entry.request, entry.request_id, lease, entry.submitted_at)
+
+    def _launch(
+        self, request: PreparedRequest, request_id: int, lease: Lease, submitted_at: float
+    ) -> ActiveRequest:
+        """Hand an admitted request to the runner; its `ActiveRequest`."""
         try:
             self._check_alive()
             sink = TokenSink()
@@ -205,7 +353,7 @@ class Engine(PrepareStage):
         """
 
         async def start() -> ActiveRequest:
-            request = await self.prepare_generate_async(
+            return await self.start_generate(
                 prompt,
                 max_tokens=max_tokens,
                 temperature=temperature,
@@ -213,7 +361,6 @@ class Engine(PrepareStage):
                 stop=stop,
                 **options,
             )
-            return await self.start_request(request)
 
         return GenerationStream(start)
 
@@ -227,7 +374,7 @@ class Engine(PrepareStage):
         **options: Unpack[SamplingOptions],
     ) -> GenerationOutput:
         """The whole completion of `prompt`. Raises `GenerationError` if the model failed."""
-        request = await self.prepare_generate_async(
+        active = await self.start_generate(
             prompt,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -235,7 +382,7 @@ class Engine(PrepareStage):
             stop=stop,
             **options,
         )
-        return await self._run_to_end(request)
+        return await _run_to_end(active)
 
     def stream_chat(
         self,
@@ -255,7 +402,7 @@ class Engine(PrepareStage):
         `prepare_chat_async`)."""
 
         async def start() -> ActiveRequest:
-            request = await self.prepare_chat_async(
+            return await self.start_chat(
                 messages,
                 max_tokens=max_tokens,
                 temperature=temperature,
@@ -267,7 +414,6 @@ class Engine(PrepareStage):
                 videos=videos,
                 **options,
             )
-            return await self.start_request(request)
 
         return GenerationStream(start)
 
@@ -286,7 +432,7 @@ class Engine(PrepareStage):
         **options: Unpack[SamplingOptions],
     ) -> GenerationOutput:
         """The assistant's whole reply. Raises `GenerationError` if the model failed."""
-        request = await self.prepare_chat_async(
+        active = await self.start_chat(
             messages,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -298,16 +444,7 @@ class Engine(PrepareStage):
             videos=videos,
             **options,
         )
-        return await self._run_to_end(request)
-
-    async def _run_to_end(self, request: PreparedRequest) -> GenerationOutput:
-        async with self.open_stream(request) as stream:
-            async for output in stream:
-                if output.finished:
-                    if output.finish_reason == "error":
-                        raise GenerationError(output.error or "generation failed")
-                    return output
-        raise AssertionError("a request stream ended without a final output")  # pragma: no cover
+        return await _run_to_end(active)
 
     # ---- statistics ---------------------------------------------------------------------------
 
@@ -351,6 +488,7 @@ class Engine(PrepareStage):
             finished=self._finished,
             alive=self.is_alive,
             started_at=self._started_at,
+            preparing=len(self._preparing),
         )
 
     # ---- shutdown -----------------------------------------------------------------------------
@@ -369,3 +507,50 @@ def _splitter(tags: ReasoningTags | None) -> ReasoningSplitter | None:
     if tags is None:
         return None
     return ReasoningSplitter(tags.start, tags.end, thinking=tags.open_in_prompt)
+
+
+@dataclass(frozen=True)
+class _Queued:
+    """A prepared request waiting in the admission queue for a slot."""
+
+    request: PreparedRequest
+    request_id: int
+    waiter: Waiter
+    submitted_at: float
+    admission: AdmissionController
+
+
+def _give_up(entry: ActiveRequest | _Queued) -> None:
+    """Undo an admission whose caller has gone (cancelled before it took the result)."""
+    if isinstance(entry, ActiveRequest):
+        entry.close()
+    else:
+        entry.admission.leave(entry.request_id, entry.waiter)
+
+
+async def _run_to_end(active: ActiveRequest) -> GenerationOutput:
+    """Iterate an admitted request to its final output, then close it (however that ends)."""
+    try:
+        async for output in active.stream:
+            if output.finished:
+                if output.finish_reason == "error":
+                    raise GenerationError(output.error or "generation failed")
+                return output
+    finally:
+        active.close()
+    raise AssertionError("a request stream ended without a final output")  # pragma: no cover
+
+
+class Arrival:
+    """A request on its way to the runner (`Engine.arriving`); `done()` is idempotent."""
+
+    __slots__ = ("_runner",)
+
+    def __init__(self, runner: Runner) -> None:
+        self._runner: Runner | None = runner
+        runner.expect(1)
+
+    def done(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.expect(-1)

@@ -3,11 +3,13 @@
 these are the engine's own public methods; nothing here admits or generates anything.
 
 - `prepare_generate_async` / `prepare_chat_async` run the tokenization (and the chat template) on
-  a worker thread, one at a time (a `CapacityLimiter(1)`, and the `RequestPreparer`'s own lock):
-  the event loop, every other stream and `/health` never wait for it. Before that, a length
-  check on the caller's thread refuses a text that cannot fit the context without tokenizing it
-  (`RequestPreparer.check_text_length` / `check_chat_length`). Cancelling the caller abandons
-  the tokenization: the worker finishes it, its result is dropped, the next one waits for it.
+  the preparation worker (`prepare_queue`): one at a time (the `RequestPreparer` has its own lock
+  besides), in arrival order, back to back, so the event loop, every other stream and `/health`
+  never wait for it and a burst's preparations do not wait for the event loop either. Before
+  that, a length check on the caller's thread refuses a text that cannot fit the context
+  without tokenizing it (`RequestPreparer.check_text_length` / `check_chat_length`). Cancelling
+  the caller abandons the preparation: one still queued never runs; one running is finished and
+  its result dropped.
 - `prepare_generate` / `prepare_chat` are the same work, synchronous, on the calling thread (a
   long prompt holds the event loop for its tokenization, and for any tokenization in progress
   on the worker: prefer the async forms).
@@ -18,7 +20,7 @@ these are the engine's own public methods; nothing here admits or generates anyt
 - With the prefix cache on, `prepare_chat` finds the rendered system prompt's boundary, which
   becomes a store point of the job (`kv_cache_manager`).
 - `count_chat_tokens_async`: the prompt's length as `prepare_chat` would build it, on the same
-  worker thread.
+  worker.
 
 Refusals raise here, before admission: `InvalidRequest`, `PromptTooLong` (`preparation`).
 """
@@ -29,10 +31,9 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, Unpack
 
-import trio
-
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo
+from trio_mlx.actors.prepare_queue import PreparationQueue
 from trio_mlx.config import EngineConfig
 from trio_mlx.errors import InvalidRequest
 from trio_mlx.multimodal.parts import first_media_param, has_media
@@ -43,7 +44,7 @@ from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 class PrepareStage:
     """`Engine`'s first stage: the preparer for the model's tokenizer and context, and the
-    limiter that keeps tokenization off the event loop, one at a time."""
+    worker that keeps tokenization off the event loop, one at a time (`prepare_queue`)."""
 
     def __init__(self, config: EngineConfig, info: ModelInfo, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -56,8 +57,8 @@ class PrepareStage:
             default_max_tokens=config.default_max_tokens,
             max_tokens_limit=config.max_tokens_limit,
         )
-        #: One tokenization at a time, off the event loop (see `prepare_chat_async`).
-        self._tokenizing = trio.CapacityLimiter(1)
+        #: One preparation at a time, off the event loop, in arrival order (`prepare_queue`).
+        self._preparing = PreparationQueue()
 
     def prepare_generate(
         self,
@@ -128,11 +129,12 @@ class PrepareStage:
     ) -> PreparedRequest:
         """`prepare_generate` with the tokenization on a worker thread: the event loop (every
         other stream, `/health`) never waits for it. A text that cannot fit the context is
-        refused first, without tokenizing. Cancelling the caller abandons the tokenization
-        (the worker finishes it and its result is dropped; the next one waits for it)."""
+        refused first, without tokenizing. Preparations run one at a time, in the order they
+        were asked for (`prepare_queue`). Cancelling the caller abandons the preparation: one
+        not yet started never runs; one running is finished and its result dropped."""
         if isinstance(prompt, str):
             self._preparer.check_text_length(len(prompt), "prompt")
-        return await trio.to_thread.run_sync(
+        return await self._preparing.run(
             partial(
                 self.prepare_generate,
                 prompt,
@@ -141,9 +143,7 @@ class PrepareStage:
                 top_p=top_p,
                 stop=stop,
                 **options,
-            ),
-            limiter=self._tokenizing,
-            abandon_on_cancel=True,
+            )
         )
 
     async def prepare_chat_async(
@@ -176,7 +176,7 @@ class PrepareStage:
             return await prepare_multimodal_chat(
                 self.info.multimodal,
                 self._preparer,
-                self._tokenizing,
+                self._preparing,
                 messages,
                 self.config.media,
                 images=images,
@@ -189,7 +189,7 @@ class PrepareStage:
                 chat_template_kwargs=chat_template_kwargs,
                 options=options,
             )
-        return await trio.to_thread.run_sync(
+        return await self._preparing.run(
             partial(
                 self.prepare_chat,
                 messages,
@@ -200,9 +200,7 @@ class PrepareStage:
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
                 **options,
-            ),
-            limiter=self._tokenizing,
-            abandon_on_cancel=True,
+            )
         )
 
     def _refuse_media(
@@ -229,13 +227,11 @@ class PrepareStage:
         """The length of the prompt `prepare_chat` would build for `messages`, whatever the
         context; rendered and tokenized on the worker thread tokenization uses. Raises
         `InvalidRequest` as `prepare_chat` does for messages the template refuses."""
-        return await trio.to_thread.run_sync(
+        return await self._preparing.run(
             partial(
                 self._preparer.count_chat,
                 messages,
                 tools=tools,
                 chat_template_kwargs=chat_template_kwargs,
-            ),
-            limiter=self._tokenizing,
-            abandon_on_cancel=True,
+            )
         )

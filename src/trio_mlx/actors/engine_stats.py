@@ -67,6 +67,7 @@ def engine_stats(
     finished: FinishedRequests,
     alive: bool,
     started_at: float,
+    preparing: int = 0,
 ) -> dict[str, Any]:
     """A snapshot of the whole engine (see `Engine.get_stats`); `started_at` is the engine's
     start on `time.monotonic()`'s clock."""
@@ -90,6 +91,7 @@ def engine_stats(
         "kv_reserved_bytes": book.kv_reserved_bytes,
         "kv_budget_bytes": book.kv_budget_bytes,
         "memory_waits": book.memory_waits,
+        "preparing": preparing,
         "finished": dict(finished.by_reason),
         "runner": {
             "batching": runner.batching,
@@ -110,6 +112,9 @@ def engine_stats(
             "prefill_groups": counters.prefill_groups,
             "grouped_prefills": counters.grouped_prefills,
             "prefill_group_failures": counters.prefill_group_failures,
+            "arriving": runner.arriving,
+            "burst_holds": counters.burst_holds,
+            "burst_hold_s": counters.burst_hold_seconds,
             "decode_steps": counters.decode_steps,
             "prompt_tokens": counters.prompt_tokens,
             "generated_tokens": counters.generated_tokens,

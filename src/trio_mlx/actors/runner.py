@@ -179,6 +179,10 @@ class Runner:
         #: Set by the runner thread once its model is loaded (before it checks for a stop).
         self._loaded = threading.Event()
         self._sinks: dict[int, TokenSink] = {}
+        #: requests on their way here (`Engine.arriving`: from an HTTP request's arrived body, or
+        #: an engine call's start, until it enters admission): written on the Trio thread
+        #: (`expect`), read by the runner thread (`batch_loop`: a burst's first arrivals wait)
+        self.arriving = 0
         self._token: trio.lowlevel.TrioToken | None = None
         self.counters = RunnerCounters()
         self.info: ModelInfo | None = None
@@ -277,6 +281,13 @@ class Runner:
         finally:
             self._replies.discard(reply)
         return reply.value
+
+    def expect(self, n: int) -> None:
+        """`n` more (or, negative, fewer) requests are on their way to `submit`."""
+        self.arriving += n
+        if self.arriving <= 0:
+            self.arriving = 0
+            self._wakeup.set()
 
     def submit(self, job: GenerationJob, sink: TokenSink) -> None:
         """Queue `job`; its tokens will be pushed into `sink`."""

@@ -91,6 +91,10 @@ class RunnerCounters:
     prefill_groups: int = 0
     grouped_prefills: int = 0
     prefill_group_failures: int = 0
+    #: bursts whose first arrivals waited (prefilled) for the requests on their way before
+    #: decoding, and the seconds the runner slept meanwhile (batched route: `batch_loop`)
+    burst_holds: int = 0
+    burst_hold_seconds: float = 0.0
     decode_steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0

@@ -157,6 +157,17 @@ class RequestStream:
         self._done = False
         self.final: GenerationOutput | None = None
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's prompt length in tokens."""
+        return self._prompt_tokens
+
+    @property
+    def splits_reasoning(self) -> bool:
+        """Whether the reply's reasoning is told from its content (the template renders a
+        reasoning block and the request did not turn it off)."""
+        return self._reasoning is not None
+
     def __aiter__(self) -> RequestStream:
         return self
 

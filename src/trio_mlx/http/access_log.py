@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trio_mlx.actors.engine import Arrival
 from trio_mlx.types import GenerationOutput
 
 log = logging.getLogger("trio_mlx.access")
@@ -32,6 +33,8 @@ class RequestRecord:
     completion_tokens: int | None = None
     time_to_first_token: float | None = None
     finish_reason: str | None = None
+    #: the request noted as on its way to the engine (`in_flight.NoteArrivals`)
+    arrival: Arrival | None = None
 
     def finish(self, last: GenerationOutput | None) -> None:
         """Note how a generation ended (`last` is its last output; None: it never started)."""

@@ -41,7 +41,7 @@ from trio_mlx.http.errors import (
     from_validation_error,
 )
 from trio_mlx.http.generation import SSE_HEADERS, joined, sse_frame
-from trio_mlx.http.in_flight import CountInFlight
+from trio_mlx.http.in_flight import CountInFlight, NoteArrivals
 from trio_mlx.http.metrics import Metrics
 from trio_mlx.http.objects import Health, ModelCard, ModelList
 from trio_mlx.http.openapi import openapi_document
@@ -74,7 +74,7 @@ def create_app(state: ServerState) -> QuartTrio:
             routes, state.settings.api_key, max_body_bytes=state.settings.max_body_bytes
         )
     app.asgi_app = CountInFlight(  # type: ignore[method-assign,assignment]
-        FinishResponses(AccessLog(routes, metrics.observe)), state
+        FinishResponses(AccessLog(NoteArrivals(routes, state), metrics.observe)), state
     )
     _routes(app, state, metrics)
     _error_handlers(app)

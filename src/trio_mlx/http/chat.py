@@ -28,17 +28,16 @@ from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import (
     DONE,
     TokenText,
-    admit,
     failure,
     joined,
     json_bytes,
     json_string,
     new_id,
     openai_finish_reason,
-    prepare_async,
     raise_failure,
     run_to_end,
     sse,
+    start,
 )
 from trio_mlx.http.objects import (
     AssistantMessage,
@@ -178,17 +177,17 @@ async def chat_completions(
     output_format = chat_output_format(body.response_format)
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
         options.setdefault("output_format", output_format)  # its reply has no content
-    prepared = await prepare_async(
-        lambda: engine.prepare_chat_async(
+    active = await start(
+        lambda: engine.start_chat(
             plan.messages,
             max_tokens=body.completion_limit,
             tools=plan.template_tools,
             chat_template_kwargs=body.chat_template_kwargs,
+            arrival=record.arrival,
             **options,
         )
     )
-    record.prompt_tokens = len(prepared.prompt_tokens)
-    active = await admit(engine, prepared)
+    record.prompt_tokens = active.stream.prompt_tokens
     reply = _ChatReply(
         new_id("chatcmpl"), int(time.time()), model, TokenText(engine.tokenizer), plan.reader()
     )

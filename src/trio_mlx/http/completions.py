@@ -18,17 +18,16 @@ from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.generation import (
     DONE,
     TokenText,
-    admit,
     failure,
     joined,
     json_bytes,
     json_string,
     new_id,
     openai_finish_reason,
-    prepare_async,
     raise_failure,
     run_to_end,
     sse,
+    start,
 )
 from trio_mlx.http.objects import Completion, CompletionChoice, CompletionLogprobs, Usage
 from trio_mlx.http.requests import CompletionRequest
@@ -50,14 +49,15 @@ async def completions(
     if body.logprobs is not None:
         options["logprobs"] = True
         options["top_logprobs"] = body.logprobs
-    prepared = await prepare_async(
-        lambda: engine.prepare_generate_async(prompt, max_tokens=body.max_tokens, **options)
+    active = await start(
+        lambda: engine.start_generate(
+            prompt, max_tokens=body.max_tokens, arrival=record.arrival, **options
+        )
     )
-    record.prompt_tokens = len(prepared.prompt_tokens)
+    record.prompt_tokens = active.stream.prompt_tokens
     echo = ""
     if body.echo:
         echo = prompt if isinstance(prompt, str) else str(engine.tokenizer.decode(prompt))
-    active = await admit(engine, prepared)
     reply = _CompletionReply(
         new_id("cmpl"),
         int(time.time()),

@@ -1,12 +1,13 @@
 """What every generation route shares: preparing and admitting a request with HTTP errors, the
 SSE framing, the error a stream ends with, and logprobs in the OpenAI shapes.
 
-A request is decided before the first byte: validation (`prepare_async`) and admission (`admit`)
-both raise `APIError`, so a refused request gets its status code, never an HTTP 200 with an empty
-stream. Once admitted, the `ActiveRequest` is owned by the HTTP request's ASGI call
-(`ownership.own`): it is closed when that call ends, whatever the point of the response's life at
-which it ended (a client gone before the body's first byte included). `outputs` and `run_to_end`
-close it earlier, as soon as iteration ends, is cancelled or the iterator is dropped.
+A request is decided before the first byte: validation and admission (`start`; a preparation
+alone: `prepare_async`) raise `APIError`, so a refused request gets its status code, never
+an HTTP 200 with an empty stream. Once admitted, the `ActiveRequest` is owned by the HTTP
+request's ASGI call (`ownership.own`): it is closed when that call ends, whatever the point of the
+response's life at which it ended (a client gone before the body's first byte included).
+`outputs` and `run_to_end` close it earlier, as soon as iteration ends, is cancelled or the
+iterator is dropped.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, Literal, TypeVar
 
-from trio_mlx.actors.engine import Engine
 from trio_mlx.actors.request import ActiveRequest, GenerationStream
 from trio_mlx.errors import TrioMLXError
 from trio_mlx.http.access_log import RequestRecord
@@ -35,7 +35,6 @@ from trio_mlx.http.objects import (
     TopLogprob,
 )
 from trio_mlx.http.ownership import own
-from trio_mlx.preparation import PreparedRequest
 from trio_mlx.types import GenerationOutput, TokenLogprob
 
 T = TypeVar("T")
@@ -66,11 +65,12 @@ async def prepare_async(build: Callable[[], Awaitable[T]]) -> T:
         raise from_engine_error(exc) from exc
 
 
-async def admit(engine: Engine, request: PreparedRequest) -> ActiveRequest:
-    """Admission and submission; refusals become 429 (with Retry-After) or 503. The admitted
-    request is owned by the current HTTP request (see `ownership`)."""
+async def start(begin: Callable[[], Awaitable[ActiveRequest]]) -> ActiveRequest:
+    """Preparation and admission in one (`Engine.start_chat` / `start_generate`: admission in
+    arrival order); refusals become 400, 429 (with Retry-After) or 503. The admitted request is
+    owned by the current HTTP request (see `ownership`)."""
     try:
-        return own(await engine.start_request(request))
+        return own(await begin())
     except TrioMLXError as exc:
         raise from_engine_error(exc) from exc
 

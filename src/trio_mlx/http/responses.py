@@ -45,11 +45,11 @@ from trio_mlx.http.chat import template_messages
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import (
     TokenText,
-    admit,
     failure,
     json_text,
     new_id,
     prepare_async,
+    start,
     run_to_end,
 )
 from trio_mlx.http.objects import (
@@ -251,20 +251,20 @@ async def start_response(
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
         options.setdefault("output_format", output_format)  # its reply has no content
     try:
-        prepared = await prepare_async(
-            lambda: engine.prepare_chat_async(
+        active = await start(
+            lambda: engine.start_chat(
                 plan.messages,
                 max_tokens=body.max_output_tokens,
                 tools=plan.template_tools,
+                arrival=record.arrival,
                 **options,
             )
         )
     except APIError as exc:  # a media part the engine refused
         prompt.name_field(exc)
         raise
-    record.prompt_tokens = len(prepared.prompt_tokens)
-    active = await admit(engine, prepared)
-    reasons = prepared.reasoning is not None
+    record.prompt_tokens = active.stream.prompt_tokens
+    reasons = active.stream.splits_reasoning
     # A whole response with tools reads its reply a second time, output by output as a stream
     # does, to tell the tokens of its text and reasoning from its calls' (`ReplyTokens`).
     second = plan.reader()

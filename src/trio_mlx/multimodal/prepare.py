@@ -4,10 +4,11 @@
    without a video processor, each refusal naming its part;
 2. the media are fetched on the Trio side (`media.fetch_media`: data URLs, http(s) under the SSRF
    guard and limits, allowed local files), concurrently, under the caller's cancel scope;
-3. on a worker thread: decoding (Pillow; OpenCV for video), the processor's chat template with
-   its image placeholders, and the processor itself (resizing, patches, the image tokens expanded
-   to as many as the image has features), then the same validation and context check as a text
-   request (`RequestPreparer`).
+3. on the engine's preparation worker (`actors/prepare_queue`, in turn with text requests):
+   decoding (Pillow; OpenCV for video), the processor's chat template with its image
+   placeholders, and the processor itself (resizing, patches, the image tokens expanded to as
+   many as the image has features), then the same validation and context check as a text request
+   (`RequestPreparer`).
 
 Nothing here touches MLX or the runner: the processor's outputs travel as numpy arrays
 (`VisionInputs`) and become MLX arrays on the runner thread.
@@ -19,7 +20,7 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -35,6 +36,9 @@ from trio_mlx.multimodal.media import (
 )
 from trio_mlx.multimodal.parts import MediaRef, add_media, split_media
 from trio_mlx.preparation import PreparedRequest, RequestPreparer, SamplingOptions
+
+if TYPE_CHECKING:
+    from trio_mlx.actors.prepare_queue import PreparationQueue
 
 #: Cache-key ids for media positions start here, far above any vocabulary.
 MEDIA_KEY_BASE = 1 << 40
@@ -282,7 +286,7 @@ def render_and_process(
 async def prepare_multimodal_chat(
     vlm: VisionProcessing,
     preparer: RequestPreparer,
-    limiter: trio.CapacityLimiter,
+    worker: PreparationQueue,
     messages: Sequence[Mapping[str, Any]],
     policy: MediaPolicy,
     *,
@@ -320,4 +324,4 @@ async def prepare_multimodal_chat(
             options=options,
         )
 
-    return await trio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+    return await worker.run(work)

@@ -2,9 +2,9 @@
 engine's chat path.
 
 A request is decided before the first byte, as on the OpenAI routes: validation, the chat
-template, the context check (`prepare_async`) and admission (`admit`: a bounded wait, or 429) all
-raise `APIError`, which the app answers in Anthropic's error shape. The admitted request is owned
-by the HTTP request's ASGI call (`ownership`), so a client that goes away at any point — while
+template, the context check and admission (`start`: a bounded wait, or 429) all raise
+`APIError`, which the app answers in Anthropic's error shape. The admitted request is owned by
+the HTTP request's ASGI call (`ownership`), so a client that goes away at any point — while
 queued, mid-prefill, mid-stream, before the body's first byte — aborts it and frees its slot; in
 a batch, the other sequences go on.
 
@@ -43,11 +43,11 @@ from trio_mlx.http.anthropic.objects import (
 from trio_mlx.http.anthropic.requests import CountTokensRequest, MessagesRequest
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import (
-    admit,
     failure,
     prepare_async,
     raise_failure,
     run_to_end,
+    start,
 )
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.tooling import CallReader, ToolPlan
@@ -163,8 +163,8 @@ async def start_message(
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first
         options.setdefault("output_format", output_format)
     try:
-        prepared = await prepare_async(
-            lambda: engine.prepare_chat_async(
+        active = await start(
+            lambda: engine.start_chat(
                 plan.messages,
                 max_tokens=body.max_tokens,
                 temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -172,16 +172,16 @@ async def start_message(
                 stop=body.stop_sequences,
                 tools=plan.template_tools,
                 chat_template_kwargs=chat.template_kwargs,
+                arrival=record.arrival,
                 **options,
             )
         )
     except APIError as exc:
         _name_fields(exc, chat, plan)
         raise
-    record.prompt_tokens = len(prepared.prompt_tokens)
-    active = await admit(engine, prepared)
+    record.prompt_tokens = active.stream.prompt_tokens
     return MessageRun(
-        model, body.max_tokens, len(prepared.prompt_tokens), active, record, plan.reader()
+        model, body.max_tokens, active.stream.prompt_tokens, active, record, plan.reader()
     )
 
 
