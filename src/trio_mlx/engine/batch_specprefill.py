@@ -65,14 +65,8 @@ class SpecPrefillRow(BatchSequence):
             cached_tokens=0,
             split_at_store_points=False,
         )
-        keep = job.params.specprefill_keep_pct
-        self._sparse: SparsePrefill | None = SparsePrefill(
-            job.prompt_tokens,
-            model,
-            scorer,
-            settings.keep_pct if keep is None else keep,
-            settings.backbone_pct,
-            counters,
+        self._sparse: SparsePrefill | None = SparsePrefill.for_job(
+            job, model, scorer, settings, counters
         )
         self.cache = list(self._sparse.cache)
         self._vocab_size = vocab_size

@@ -68,6 +68,12 @@ class SpecPrefillSettings:
         on = self.enabled if requested is None else requested
         return on and prompt_length >= max(self.threshold, 2 * SCORING_QUERIES)
 
+    def keep_for(self, job: GenerationJob) -> float:
+        """The fraction of `job`'s prompt kept: the request's `specprefill_keep_pct`, else the
+        engine's `keep_pct`."""
+        keep = job.params.specprefill_keep_pct
+        return self.keep_pct if keep is None else keep
+
 
 @dataclass
 class SpecPrefillCounters:
@@ -279,6 +285,26 @@ class SparsePrefill:
     token at position `n - 1` (`finish`): the serialized route's `SpecPrefillSequence`, or the
     batched route's `batch_specprefill.SpecPrefillRow` once it joins the batch."""
 
+    @classmethod
+    def for_job(
+        cls,
+        job: GenerationJob,
+        model: Any,
+        scorer: Any,
+        settings: SpecPrefillSettings,
+        counters: SpecPrefillCounters,
+    ) -> SparsePrefill:
+        """The sparse prefill of `job`'s prompt with the engine's settings and the request's
+        keep fraction (`SpecPrefillSettings.keep_for`)."""
+        return cls(
+            job.prompt_tokens,
+            model,
+            scorer,
+            settings.keep_for(job),
+            settings.backbone_pct,
+            counters,
+        )
+
     def __init__(
         self,
         prompt_tokens: tuple[int, ...],
@@ -459,15 +485,7 @@ class SpecPrefillSequence:
         self._vocab_size = vocab_size
         self._chunk_tokens = chunk_tokens
         self._counters = counters
-        keep = job.params.specprefill_keep_pct
-        self._sparse = SparsePrefill(
-            job.prompt_tokens,
-            model,
-            scorer,
-            settings.keep_pct if keep is None else keep,
-            settings.backbone_pct,
-            counters,
-        )
+        self._sparse = SparsePrefill.for_job(job, model, scorer, settings, counters)
         self._decoder: ActiveSequence | None = None
         self.cached_tokens = 0
         self.finished = False

@@ -49,8 +49,8 @@ from trio_mlx.http.generation import (
     json_text,
     new_id,
     prepare_async,
-    start,
     run_to_end,
+    start,
 )
 from trio_mlx.http.objects import (
     ErrorDetail,
