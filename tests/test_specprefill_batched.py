@@ -36,11 +36,11 @@ from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.specprefill import (
-    PositionedKVCache,
     SpecPrefillCounters,
     SpecPrefillSequence,
     SpecPrefillSettings,
 )
+from trio_mlx.engine.true_positions import PositionedKVCache
 from trio_mlx.types import SamplingParams
 
 THRESHOLD = 128

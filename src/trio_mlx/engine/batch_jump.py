@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.padded_attention import forward_run
-from trio_mlx.engine.specprefill import PositionedKVCache
+from trio_mlx.engine.true_positions import PositionedKVCache
 from trio_mlx.structured import masked_choice
 from trio_mlx.structured.forced_runs import MAX_RUN, forced_run
 

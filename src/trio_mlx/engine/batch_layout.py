@@ -19,8 +19,8 @@ the layer's growth step (`step`, which `update_and_fetch` reads) becomes an eigh
 the buffer rarely, at most an eighth of it idle. The layers built are mlx-lm's `BatchKVCache` in
 the state its `merge` / `extend` leave (left padding, per-row offsets, `_idx`), so all else reads
 them as before. Layers of other classes (rotating windows, recurrent state) keep their classes'
-`merge` / `extend`. A SpecPrefill row's layers (`specprefill.PositionedKVCache`: the kept tokens of
-a long prompt, each at its true position) join as plain ones, except that the row's `offset` (the
+`merge` / `extend`. A SpecPrefill row's layers (`true_positions.PositionedKVCache`: the kept tokens
+of a long prompt, each at its true position) join as plain ones, except that the row's `offset` (the
 RoPE position mlx-lm's batch cache keeps per row) is its true next position, past what it stores;
 its write index and left padding (what the mask reads) follow what it stores, and `extract_row`
 gives it back a `PositionedKVCache` from its shift (`BatchSequence.position_shift`).
@@ -44,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from trio_mlx.engine.specprefill import PositionedKVCache, positioned_cache, stored_length
+from trio_mlx.engine.true_positions import PositionedKVCache, positioned_cache, stored_length
 
 #: mlx-lm's growth step of a `BatchKVCache` (its class attribute `step`)
 MIN_STEP = 256

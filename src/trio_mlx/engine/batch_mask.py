@@ -36,7 +36,7 @@ from typing import Any
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from trio_mlx.engine.specprefill import PositionedKVCache
+from trio_mlx.engine.true_positions import PositionedKVCache
 
 
 def aligned_make_mask(cache: Any, N: int, return_array: bool = False, **kwargs: Any) -> Any:

@@ -13,12 +13,12 @@ token on long prompts. How it goes, for a prompt of `n >= threshold` tokens (pha
    `SELECTION_CHUNK`-token chunks with the highest mean score.
 3. Sparse prefill: the target prefills the kept tokens at their TRUE positions, in chunks of
    the prefill size whatever gaps they span: every attention layer's `rope` is wrapped
-   (`PositionedRoPE`) to rotate each token by its own position while a chunk runs; the storage
-   holds only kept tokens, in order, so the causal mask over them is the plain one. A model
-   without a `rope` attribute on its attention falls back to one forward pass per run of
-   consecutive positions (`PositionedKVCache.shift`). The last kept token (the prompt's last)
-   starts decoding at position `n - 1`: every later position continues from the full prompt
-   length (`SparsePrefill.finish`).
+   (`true_positions.PositionedRoPE`) to rotate each token by its own position while a chunk runs;
+   the storage holds only kept tokens, in order, so the causal mask over them is the plain one. A
+   model without a `rope` attribute on its attention falls back to one forward pass per run of
+   consecutive positions (`PositionedKVCache.shift`). The last kept token (the prompt's last) starts
+   decoding at position `n - 1`: every later position continues from the full prompt length
+   (`SparsePrefill.finish`).
 4. Decoding. On the serialized route (`SpecPrefillSequence`, with `decode.ActiveSequence`'s
    interface) it is the plain route's (`ActiveSequence` over the kept tokens, no draft model, no
    traced step). On the batched route (`batch_specprefill.SpecPrefillRow`) the sequence waits to
@@ -43,6 +43,11 @@ from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan, StepResult
 from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.true_positions import (
+    PositionedKVCache,
+    chunk_positions,
+    install_positioned_rope,
+)
 
 #: Queries at the end of the prompt whose attention scores the rest (always kept).
 SCORING_QUERIES = 32
@@ -123,99 +128,6 @@ def select_positions(
             break
         kept.update(free[:room])
     return sorted(kept)
-
-
-class PositionedKVCache(KVCache):
-    """A KV cache whose stored tokens need not be contiguous in position: `offset` (what the
-    model's RoPE and masks read) is the stored length plus `shift`, set before each run of
-    consecutive positions. Storage, slicing and trimming use the stored length."""
-
-    def __init__(self) -> None:
-        self.shift = 0
-        self.stored = 0
-        super().__init__()
-
-    @property
-    def offset(self) -> int:
-        return self.stored + self.shift
-
-    @offset.setter
-    def offset(self, value: int) -> None:
-        self.stored = value - self.shift
-
-    def update_and_fetch(self, keys: Any, values: Any) -> Any:
-        shift, self.shift = self.shift, 0  # the base class indexes storage by `offset`
-        try:
-            return super().update_and_fetch(keys, values)
-        finally:
-            self.shift = shift
-
-    def keys_and_values(self) -> Any:
-        keys: Any = self.keys
-        values: Any = self.values
-        return keys[..., : self.stored, :], values[..., : self.stored, :]
-
-    def size(self) -> int:
-        return self.stored
-
-    @property
-    def state(self) -> Any:
-        return self.keys_and_values() if self.keys is not None else (None, None)
-
-    @state.setter
-    def state(self, v: Any) -> None:
-        raise NotImplementedError("a SpecPrefill cache is never restored")
-
-    def trim(self, n: int) -> int:
-        n = min(self.stored, n)
-        self.stored -= n
-        return n
-
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        shift, self.shift = self.shift, 0
-        try:
-            return super().make_mask(*args, **kwargs)
-        finally:
-            self.shift = shift
-
-
-# ---- per-token positions -------------------------------------------------------------------
-
-_positions = threading.local()
-
-
-class PositionedRoPE:
-    """A model's RoPE module that, while `_positions.value` (an int32 array of the chunk's
-    positions) is set on this thread, rotates token i by position `value[i]` rather than by
-    `offset + i`: the chunk's tokens become a batch of one-token rows, each with its own offset,
-    through the same module (its frequencies and scaling kept). Otherwise a pass-through."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __call__(self, x: Any, offset: Any = 0) -> Any:
-        positions = getattr(_positions, "value", None)
-        if positions is None or x.shape[0] != 1 or x.shape[-2] != positions.shape[0]:
-            return self.inner(x, offset=offset)
-        rows = x.swapaxes(0, 2)  # (1, H, L, D) -> (L, H, 1, D)
-        return self.inner(rows, offset=positions).swapaxes(0, 2)
-
-
-def install_positioned_rope(model: Any) -> bool:
-    """Wrap every `rope` of `model`'s modules in a `PositionedRoPE` (once; an instance attribute
-    shadows the module's entry, so parameters and weights are untouched). False if none has one."""
-    import mlx.nn as nn
-
-    found = False
-    for module in model.modules():
-        inner = module.get("rope") if isinstance(module, dict) else None
-        current = getattr(module, "rope", None)
-        if isinstance(current, PositionedRoPE):
-            found = True
-        elif isinstance(inner, nn.Module):  # type: ignore[attr-defined]
-            object.__setattr__(module, "rope", PositionedRoPE(inner))
-            found = True
-    return found
 
 
 # ---- attention recording -----------------------------------------------------------------------
@@ -430,31 +342,14 @@ class SparsePrefill:
         positions = self.kept[self.fed : self.fed + n]
         for layer in self.cache:
             layer.shift = 0
-        _positions.value = mx.array(positions, dtype=mx.int32)
-        try:
+        with chunk_positions(positions):
             self._model(self._prompt[mx.array(positions, dtype=mx.uint32)][None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-        finally:
-            _positions.value = None
         mx.clear_cache()
         self.fed += n
         if self.fed == len(self.kept) - 1:
             self._runs = []
         return n
-
-
-def positioned_cache(keys: Any, values: Any, stored: int, shift: int) -> PositionedKVCache:
-    """A `PositionedKVCache` holding `stored` positions of `keys` / `values` (axis 2), its next
-    token at position `stored + shift` (a SpecPrefill row's cache copied out of a batch)."""
-    cache = PositionedKVCache()
-    cache.keys, cache.values = keys, values
-    cache.stored, cache.shift = stored, shift
-    return cache
-
-
-def stored_length(layer: Any) -> int:
-    """The positions a plain or positioned KV cache layer holds (its write index)."""
-    return int(layer.stored) if isinstance(layer, PositionedKVCache) else int(layer.offset)
 
 
 # ---- the sequence (serialized route) -----------------------------------------------------------
