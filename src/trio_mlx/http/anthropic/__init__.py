@@ -7,7 +7,9 @@
 - `tools`: `tools` and `tool_choice` on the OpenAI routes' tool machinery (`http/tooling.py`);
 - `messages`: preparing and admitting a request, the final message, token counts;
 - `blocks`: an answer's content blocks (text, thinking, tool_use), whole and as stream events;
-- `stream`: the SSE event sequence; `errors`: the server's errors in Anthropic's shape.
+- `stream`: the SSE event sequence; `errors`: the server's errors in Anthropic's shape;
+- `request_ids`: the `request-id` of every answer to an Anthropic client;
+- `models`: `GET /v1/models` in Anthropic's shape, for a request with `anthropic-version`.
 
 `x-api-key`, `anthropic-version` and `anthropic-beta` headers are accepted and not required.
 """

@@ -10,6 +10,10 @@
   `Error: ` before it when `is_error`), in the order of the blocks; the turn's other blocks
   (text, images) follow as a user message. `http/tooling.py` renders calls and results as the
   model's template (or the fallback format) takes them.
+- `document` blocks of a user turn are text of that turn: their `title`, `context` and text, one
+  a line (a `text` source's `data`, or a `content` source's text blocks joined by newlines).
+  A PDF (`base64`, `url` or `file` source) is refused (400 naming the source's `type`), and so is
+  `citations: {"enabled": true}`: this server produces no citations.
 - `image` blocks of a user turn (`source` base64 with `media_type`, or `url`) become image parts
   for the engine's multimodal path: a vision-language model fetches and sees them, a text-only
   model refuses them (400 naming the block's `source`).
@@ -17,9 +21,13 @@
   and the answer continues its text; the answer's content holds only the continuation. An empty
   last assistant turn asks for nothing and is left out (kept, closed, when it is the only turn);
   one that holds `tool_use` blocks is rendered closed, and the answer is a new turn.
-- `thinking` and `redacted_thinking` blocks of assistant turns are dropped; in a user turn they
-  are refused, as are `tool_use` in a user turn and `tool_result` or `image` in an assistant
-  turn. `document` and `search_result` blocks are refused (400 naming the block's `type`).
+- `thinking` blocks of assistant turns (an earlier answer's reasoning, sent back) are the turn's
+  `reasoning_content` when the model's chat template renders it (`keep_reasoning`: Qwen3-style
+  templates show the model its reasoning during a tool loop, what Anthropic keeps thinking blocks
+  for), else dropped, as the template would drop them; `redacted_thinking` blocks (nothing to
+  read) are dropped. In a user turn they are refused, as are `tool_use` in a user turn and
+  `tool_result` or `image` in an assistant turn. `search_result` blocks are refused (400 naming
+  the block's `type`).
 - `thinking: {"type": "disabled"}` renders the template with `enable_thinking=False` (Qwen3-style
   templates; others ignore it).
 
@@ -92,6 +100,8 @@ class _Turn:
         #: part index -> the request block it came from (media parts only)
         self.sources: dict[int, str] = {}
         self.tool_calls: list[dict[str, Any]] = []
+        #: the text of the turn's thinking blocks, kept (`keep_reasoning`)
+        self.reasoning: list[str] = []
 
     @property
     def has_text(self) -> bool:
@@ -102,6 +112,7 @@ class _Turn:
         self.parts.extend(other.parts)
         self.sources.update({offset + p: where for p, where in other.sources.items()})
         self.tool_calls.extend(other.tool_calls)
+        self.reasoning.extend(other.reasoning)
 
     def message(self) -> dict[str, Any]:
         # With media, the parts themselves (the engine's multimodal path reads them).
@@ -110,13 +121,17 @@ class _Turn:
         item: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             item["tool_calls"] = self.tool_calls
+        if self.reasoning:
+            item["reasoning_content"] = "\n".join(self.reasoning)
         if self.tool_call_id is not None:
             item["tool_call_id"] = self.tool_call_id
         return item
 
 
-def conversation(body: CountTokensRequest) -> Conversation:
-    """The request's conversation, refusing with a 400 what this server does not serve."""
+def conversation(body: CountTokensRequest, *, keep_reasoning: bool = False) -> Conversation:
+    """The request's conversation, refusing with a 400 what this server does not serve.
+    `keep_reasoning`: the chat template renders an assistant turn's `reasoning_content`, so the
+    turns' thinking blocks are kept as theirs."""
     turns: list[_Turn] = []
     system = body.system
     if isinstance(system, list):
@@ -126,7 +141,7 @@ def conversation(body: CountTokensRequest) -> Conversation:
         turn.parts.append({"type": "text", "text": system})
         turns.append(turn)
     for i, message in enumerate(body.messages):
-        for turn in _message_turns(i, message.role, message.content):
+        for turn in _message_turns(i, message.role, message.content, keep_reasoning):
             last = turns[-1] if turns else None
             if last is not None and last.role == turn.role and turn.role in ("user", "assistant"):
                 last.merge(turn)
@@ -155,7 +170,9 @@ def conversation(body: CountTokensRequest) -> Conversation:
     )
 
 
-def _message_turns(i: int, role: str, content: str | list[ContentBlock]) -> list[_Turn]:
+def _message_turns(
+    i: int, role: str, content: str | list[ContentBlock], keep_reasoning: bool
+) -> list[_Turn]:
     """The template messages one request message becomes: one turn, or (a user turn with tool
     results) a `tool` message per result and the rest as user turns, in the order given."""
     origin = f"messages[{i}]"
@@ -178,12 +195,17 @@ def _message_turns(i: int, role: str, content: str | list[ContentBlock]) -> list
                 out.append(_Turn(role, origin))
             out[-1].parts.append({"type": "text", "text": block.text})
         elif block.type in THINKING_BLOCK_TYPES and role == "assistant":
-            continue  # an earlier answer's reasoning: dropped, as Anthropic drops it
+            if keep_reasoning and block.type == "thinking" and block.thinking:
+                out[-1].reasoning.append(block.thinking)
         elif block.type == "tool_use" and role == "assistant":
             out[-1].tool_calls.append(_tool_call(block, where))
         elif block.type == "tool_result" and role == "user":
             out.append(_Turn("tool", origin, _required(block.tool_use_id, where, "tool_use_id")))
             out[-1].parts.append({"type": "text", "text": _result_text(block, where)})
+        elif block.type == "document" and role == "user":
+            if out[-1].role != role:
+                out.append(_Turn(role, origin))
+            out[-1].parts.append({"type": "text", "text": _document_text(block, where)})
         elif block.type == "image" and role == "user":
             if out[-1].role != role:
                 out.append(_Turn(role, origin))
@@ -242,29 +264,108 @@ def _result_text(block: ContentBlock, where: str) -> str:
     elif isinstance(content, str):
         text = content
     else:
-        texts = []
-        for m, item in enumerate(content):
-            kind = item.get("type")
-            if kind == "text" and isinstance(item.get("text"), str):
-                texts.append(item["text"])
-            elif kind == "text":
-                raise APIError(
-                    400,
-                    "a text block needs `text`",
-                    param=f"{where}.content[{m}].text",
-                    code="missing_required_parameter",
-                )
-            else:
-                raise APIError(
-                    400,
-                    f"a tool_result's content may hold text blocks only, not {kind!r}",
-                    param=f"{where}.content[{m}].type",
-                    code="unsupported_value",
-                )
-        text = "\n".join(texts)
+        text = "\n".join(_text_items(content, f"{where}.content", "a tool_result's content"))
     if block.is_error:
         return f"Error: {text}" if text else "Error"
     return text
+
+
+def _document_text(block: ContentBlock, where: str) -> str:
+    """A text document as the turn's text: its title, context and text, one a line."""
+    citations = block.citations
+    if citations is not None:
+        if not isinstance(citations, dict):
+            raise APIError(
+                400,
+                'a document\'s citations is an object, {"enabled": false}',
+                param=f"{where}.citations",
+                code="invalid_value",
+            )
+        enabled = citations.get("enabled", False)
+        if enabled is True:
+            raise APIError(
+                400,
+                "this server produces no citations: leave citations out of the document",
+                param=f"{where}.citations.enabled",
+                code="unsupported_value",
+            )
+        if enabled is not False:
+            raise APIError(
+                400,
+                "citations.enabled must be a boolean",
+                param=f"{where}.citations.enabled",
+                code="invalid_value",
+            )
+    source = block.source
+    param = f"{where}.source"
+    if source is None:
+        raise APIError(
+            400, "a document block needs `source`", param=param, code="missing_required_parameter"
+        )
+    kind = source.get("type")
+    if kind == "text":
+        if source.get("media_type", "text/plain") != "text/plain":
+            raise APIError(
+                400,
+                "a text source's media_type must be 'text/plain'",
+                param=f"{param}.media_type",
+                code="invalid_value",
+            )
+        text = source.get("data")
+        if not isinstance(text, str):
+            raise APIError(
+                400,
+                "a text source needs `data` (the document's text)",
+                param=f"{param}.data",
+                code="missing_required_parameter",
+            )
+    elif kind == "content":
+        content = source.get("content")
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            text = "\n".join(_text_items(content, f"{param}.content", "a content source"))
+        else:
+            raise APIError(
+                400,
+                "a content source needs `content` (a string or text blocks)",
+                param=f"{param}.content",
+                code="missing_required_parameter",
+            )
+    else:
+        raise APIError(
+            400,
+            "only text documents are read by this server (source type 'text' or 'content'); "
+            "PDFs (base64, url or file sources) are not: send their text",
+            param=f"{param}.type",
+            code="unsupported_value" if isinstance(kind, str) else "invalid_value",
+        )
+    return "\n".join(piece for piece in (block.title, block.context, text) if piece)
+
+
+def _text_items(items: list[Any], param: str, what: str) -> list[str]:
+    """The texts of a list of text blocks (a tool result's content, a document's), refusing
+    any other block with a 400 naming it."""
+    texts = []
+    for m, item in enumerate(items):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "text" and isinstance(item.get("text"), str):
+            texts.append(item["text"])
+        elif kind == "text":
+            raise APIError(
+                400,
+                "a text block needs `text`",
+                param=f"{param}[{m}].text",
+                code="missing_required_parameter",
+            )
+        else:
+            raise APIError(
+                400,
+                f"{what} may hold text blocks only, not {kind!r}",
+                param=f"{param}[{m}].type",
+                code="unsupported_value",
+            )
+    return texts
 
 
 def _image_url(block: ContentBlock, where: str) -> str:
