@@ -1,7 +1,8 @@
 """What the official `anthropic` client and what is built on it read beyond a message, against
 the real server on the tiny random model: the `request-id` every answer carries, the model list
 in Anthropic's shape, the SDK's tool runner (which asks for server-held message threads first),
-documents of text, thinking blocks handed back, and tools this server does not serve."""
+documents of text, thinking blocks handed back, and the tools and MCP servers this server does not
+serve."""
 
 from __future__ import annotations
 
@@ -273,7 +274,7 @@ async def test_thinking_handed_back_reaches_a_template_that_renders_reasoning(
         assert kept.input_tokens == plain.input_tokens
 
 
-async def test_server_tools_and_anthropic_defined_tools_are_refused_by_type(
+async def test_server_tools_anthropic_defined_tools_and_mcp_servers_are_refused(
     server: RunningServer,
 ) -> None:
     client_tool = {"name": "f", "input_schema": {"type": "object"}}
@@ -294,3 +295,13 @@ async def test_server_tools_and_anthropic_defined_tools_are_refused_by_type(
             model="tiny", max_tokens=2, messages=USER, tools=[{**client_tool, "type": "custom"}]
         )
         assert custom.usage.output_tokens == 2
+        mcp = {"type": "url", "url": "https://mcp.example.com/sse", "name": "example"}
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.beta.messages.create(
+                model="tiny", max_tokens=2, messages=USER, mcp_servers=[mcp]
+            )
+        assert str(refused.value.body["error"]["message"]).startswith("mcp_servers: ")  # type: ignore[index]
+        none = await claude.messages.create(
+            model="tiny", max_tokens=2, messages=USER, extra_body={"mcp_servers": []}
+        )
+        assert none.usage.output_tokens == 2

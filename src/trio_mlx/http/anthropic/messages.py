@@ -79,6 +79,27 @@ def check_supported(body: CountTokensRequest) -> None:
         )
 
 
+def check_served(body: MessagesRequest) -> None:
+    """Refuse what a Messages request asks of Anthropic's servers that this one does not do:
+    hold a `thread` between requests, connect to `mcp_servers`."""
+    if body.thread is not None:
+        raise APIError(
+            400,
+            "message threads are not served: this server holds no conversation between "
+            "requests; send the whole conversation without `thread`",
+            param="thread",
+            code="thread_unsupported_request",
+        )
+    if body.mcp_servers:
+        raise APIError(
+            400,
+            "MCP servers are not connected by this server: run them in the client and give "
+            "their tools as client tools (`tools`)",
+            param="mcp_servers",
+            code="unsupported_value",
+        )
+
+
 def _planned(state: ServerState, body: CountTokensRequest) -> tuple[Conversation, ToolPlan]:
     """The request's conversation, and how its tools reach the model (`tools.plan`)."""
     check_supported(body)
@@ -150,14 +171,7 @@ async def start_message(
     """Validate, prepare and admit one Messages request; raises `APIError` before any byte."""
     engine, model = state.engine_for(body.model)
     record.model = model
-    if body.thread is not None:
-        raise APIError(
-            400,
-            "message threads are not served: this server holds no conversation between "
-            "requests; send the whole conversation without `thread`",
-            param="thread",
-            code="thread_unsupported_request",
-        )
+    check_served(body)
     chat, plan = _planned(state, body)
     options: dict[str, Any] = dict(plan.options)
     if body.top_k is not None:

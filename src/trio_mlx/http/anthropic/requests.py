@@ -394,3 +394,12 @@ class MessagesRequest(CountTokensRequest):
             "description": "Message threads are not served: send the whole conversation.",
         },
     )
+    #: The MCP connector beta (the server calls remote MCP servers' tools): not served, so a
+    #: request that lists any is refused rather than answered without their tools.
+    mcp_servers: list[Any] | None = Field(
+        default=None,
+        json_schema_extra={
+            "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}],
+            "description": "MCP servers are not connected: give their tools as client tools.",
+        },
+    )
