@@ -7,7 +7,9 @@
 - `tool_use` blocks of an assistant turn become that turn's `tool_calls` (`input` as the
   arguments' JSON text); each `tool_result` block of a user turn becomes a `tool` message (its
   `tool_use_id` as `tool_call_id`; its content, a string or text blocks joined by newlines,
-  `Error: ` before it when `is_error`), in the order of the blocks; the turn's other blocks
+  `Error: ` before it when `is_error`, then its `image` blocks as image parts, which a
+  vision-language model whose chat template renders tool messages sees and any other model
+  refuses with a 400 naming the block), in the order of the blocks; the turn's other blocks
   (text, images) follow as a user message. `http/tooling.py` renders calls and results as the
   model's template (or the fallback format) takes them.
 - `document` blocks of a user turn are text of that turn: their `title`, `context` and text, one
@@ -201,7 +203,12 @@ def _message_turns(
             out[-1].tool_calls.append(_tool_call(block, where))
         elif block.type == "tool_result" and role == "user":
             out.append(_Turn("tool", origin, _required(block.tool_use_id, where, "tool_use_id")))
-            out[-1].parts.append({"type": "text", "text": _result_text(block, where)})
+            text, images = _result_content(block, where)
+            if text or not images:
+                out[-1].parts.append({"type": "text", "text": text})
+            for image_where, url in images:
+                out[-1].sources[len(out[-1].parts)] = image_where
+                out[-1].parts.append({"type": "image_url", "image_url": {"url": url}})
         elif block.type == "document" and role == "user":
             if out[-1].role != role:
                 out.append(_Turn(role, origin))
@@ -210,7 +217,7 @@ def _message_turns(
             if out[-1].role != role:
                 out.append(_Turn(role, origin))
             out[-1].sources[len(out[-1].parts)] = where
-            image = {"url": _image_url(block, where)}
+            image = {"url": _image_url(block.source, where)}
             out[-1].parts.append({"type": "image_url", "image_url": image})
         elif block.type in LATER_BLOCK_TYPES:
             raise APIError(
@@ -257,17 +264,33 @@ def _tool_call(block: ContentBlock, where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _result_text(block: ContentBlock, where: str) -> str:
+def _result_content(block: ContentBlock, where: str) -> tuple[str, list[tuple[str, str]]]:
+    """A tool result's text (its text blocks joined by newlines, `Error: ` before it when
+    `is_error`) and its images (`(the request block, URL)`), in order."""
     content = block.content
+    images: list[tuple[str, str]] = []
     if content is None:
         text = ""
     elif isinstance(content, str):
         text = content
     else:
-        text = "\n".join(_text_items(content, f"{where}.content", "a tool_result's content"))
+        texts = []
+        for m, item in enumerate(content):
+            item_where = f"{where}.content[{m}]"
+            if isinstance(item, dict) and item.get("type") == "image":
+                source = item.get("source")
+                images.append((item_where, _image_url(source, item_where)))
+            else:
+                texts += _text_items(
+                    [item],
+                    f"{where}.content",
+                    "a tool_result's content may hold text and image blocks only",
+                    m,
+                )
+        text = "\n".join(texts)
     if block.is_error:
-        return f"Error: {text}" if text else "Error"
-    return text
+        text = f"Error: {text}" if text else "Error"
+    return text, images
 
 
 def _document_text(block: ContentBlock, where: str) -> str:
@@ -324,7 +347,11 @@ def _document_text(block: ContentBlock, where: str) -> str:
         if isinstance(content, str):
             text = content
         elif isinstance(content, list):
-            text = "\n".join(_text_items(content, f"{param}.content", "a content source"))
+            text = "\n".join(
+                _text_items(
+                    content, f"{param}.content", "a content source may hold text blocks only"
+                )
+            )
         else:
             raise APIError(
                 400,
@@ -343,11 +370,12 @@ def _document_text(block: ContentBlock, where: str) -> str:
     return "\n".join(piece for piece in (block.title, block.context, text) if piece)
 
 
-def _text_items(items: list[Any], param: str, what: str) -> list[str]:
-    """The texts of a list of text blocks (a tool result's content, a document's), refusing
-    any other block with a 400 naming it."""
+def _text_items(items: list[Any], param: str, what: str, first: int = 0) -> list[str]:
+    """The texts of a list of text blocks (a document's content; a tool result's, whose images
+    are read apart), refusing any other block with a 400 naming it (`param[first + m]`) that
+    says `what` the list may hold."""
     texts = []
-    for m, item in enumerate(items):
+    for m, item in enumerate(items, start=first):
         kind = item.get("type") if isinstance(item, dict) else None
         if kind == "text" and isinstance(item.get("text"), str):
             texts.append(item["text"])
@@ -361,17 +389,19 @@ def _text_items(items: list[Any], param: str, what: str) -> list[str]:
         else:
             raise APIError(
                 400,
-                f"{what} may hold text blocks only, not {kind!r}",
+                f"{what}, not {kind!r}",
                 param=f"{param}[{m}].type",
                 code="unsupported_value",
             )
     return texts
 
 
-def _image_url(block: ContentBlock, where: str) -> str:
-    """The block's image as a URL the media fetcher takes (a data URL for base64)."""
-    source = block.source
+def _image_url(source: Any, where: str) -> str:
+    """The image of the block at `where`, whose `source` is given, as a URL the media fetcher
+    takes (a data URL for base64)."""
     param = f"{where}.source"
+    if source is not None and not isinstance(source, dict):
+        raise APIError(400, "an image's source is an object", param=param, code="invalid_value")
     if source is None:
         raise APIError(
             400, "an image block needs `source`", param=param, code="missing_required_parameter"

@@ -105,12 +105,16 @@ def _planned(state: ServerState, body: CountTokensRequest) -> tuple[Conversation
     check_supported(body)
     engine, _ = state.engine_for(body.model)
     chat = conversation(body, keep_reasoning=renders_reasoning(engine.tokenizer))
-    plan = tools.plan(
-        body,
-        chat.messages,
-        tokenizer=engine.tokenizer,
-        parser=state.settings.tool_call_parser,
-    )
+    try:
+        plan = tools.plan(
+            body,
+            chat.messages,
+            tokenizer=engine.tokenizer,
+            parser=state.settings.tool_call_parser,
+        )
+    except APIError as exc:  # about the conversation as planned: the request's own field
+        chat.name_field(exc)
+        raise
     return chat, plan
 
 

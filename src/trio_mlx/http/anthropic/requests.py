@@ -102,6 +102,13 @@ _IMAGE_SOURCE = {
 }
 
 
+_IMAGE_ITEM = {
+    "type": "object",
+    "properties": {"type": {"const": "image"}, "source": _IMAGE_SOURCE},
+    "required": ["type", "source"],
+}
+
+
 def _when(kind: str, then: dict[str, Any]) -> dict[str, Any]:
     return {"if": {"properties": {"type": {"const": kind}}, "required": ["type"]}, "then": then}
 
@@ -169,7 +176,7 @@ def _block_schema(schema: dict[str, Any]) -> None:
                     "content": {
                         "anyOf": [
                             {"type": "string"},
-                            {"type": "array", "items": _TEXT_ITEM},
+                            {"type": "array", "items": {"anyOf": [_TEXT_ITEM, _IMAGE_ITEM]}},
                             {"type": "null"},
                         ]
                     },
@@ -180,7 +187,8 @@ def _block_schema(schema: dict[str, Any]) -> None:
     ]
     schema["description"] = (
         "`text`; `tool_use` (`id`, `name`, `input`) in assistant turns; `tool_result` "
-        "(`tool_use_id`, `content` a string or text blocks, `is_error`) in user turns; `thinking` "
+        "(`tool_use_id`, `content` a string or text and image blocks, `is_error`) in user turns; "
+        "`thinking` "
         "and `redacted_thinking` in assistant turns; `document` blocks of text in user turns "
         '(`source` `{"type": "text", "media_type": "text/plain", "data"}` or `{"type": '
         '"content", "content"}` of text blocks; `title`, `context`); `image` blocks in user turns '
@@ -211,7 +219,7 @@ class ContentBlock(_Body):
     id: str | None = None
     name: str | None = None
     input: dict[str, Any] | None = None
-    # tool_result: a string, or blocks (text ones are served)
+    # tool_result: a string, or blocks (text and image ones are served)
     tool_use_id: str | None = None
     content: str | list[dict[str, Any]] | None = None
     is_error: bool | None = None
