@@ -33,19 +33,25 @@
 - `thinking: {"type": "disabled"}` renders the template with `enable_thinking=False` (Qwen3-style
   templates; others ignore it).
 
+Each block is read and checked by `input_blocks.py`; this module puts what it says in its turn.
 An error the engine raises about a template message (`messages[k].content[p].image_url`) is
 renamed to the request's own field (`messages[i].content[j].source`) by `Conversation.name_field`.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trio_mlx.http.anthropic.input_blocks import (
+    document_text,
+    image_url,
+    required,
+    result_content,
+    tool_call,
+)
 from trio_mlx.http.anthropic.requests import (
-    IMAGE_MEDIA_TYPES,
     LATER_BLOCK_TYPES,
     THINKING_BLOCK_TYPES,
     ContentBlock,
@@ -200,10 +206,10 @@ def _message_turns(
             if keep_reasoning and block.type == "thinking" and block.thinking:
                 out[-1].reasoning.append(block.thinking)
         elif block.type == "tool_use" and role == "assistant":
-            out[-1].tool_calls.append(_tool_call(block, where))
+            out[-1].tool_calls.append(tool_call(block, where))
         elif block.type == "tool_result" and role == "user":
-            out.append(_Turn("tool", origin, _required(block.tool_use_id, where, "tool_use_id")))
-            text, images = _result_content(block, where)
+            out.append(_Turn("tool", origin, required(block.tool_use_id, where, "tool_use_id")))
+            text, images = result_content(block, where)
             if text or not images:
                 out[-1].parts.append({"type": "text", "text": text})
             for image_where, url in images:
@@ -212,12 +218,12 @@ def _message_turns(
         elif block.type == "document" and role == "user":
             if out[-1].role != role:
                 out.append(_Turn(role, origin))
-            out[-1].parts.append({"type": "text", "text": _document_text(block, where)})
+            out[-1].parts.append({"type": "text", "text": document_text(block, where)})
         elif block.type == "image" and role == "user":
             if out[-1].role != role:
                 out.append(_Turn(role, origin))
             out[-1].sources[len(out[-1].parts)] = where
-            image = {"url": _image_url(block.source, where)}
+            image = {"url": image_url(block.source, where)}
             out[-1].parts.append({"type": "image_url", "image_url": image})
         elif block.type in LATER_BLOCK_TYPES:
             raise APIError(
@@ -235,209 +241,3 @@ def _message_turns(
             )
     # A user turn of tool results only: no empty user message after them.
     return [turn for turn in out if turn.parts or turn.tool_calls or len(out) == 1]
-
-
-def _required(value: str | None, where: str, name: str) -> str:
-    if value is None:
-        raise APIError(
-            400,
-            f"a block of this type needs `{name}`",
-            param=f"{where}.{name}",
-            code="missing_required_parameter",
-        )
-    return value
-
-
-def _tool_call(block: ContentBlock, where: str) -> dict[str, Any]:
-    call_id = _required(block.id, where, "id")
-    name = _required(block.name, where, "name")
-    if not name:
-        raise APIError(400, "a tool_use block needs a name", param=f"{where}.name")
-    if block.input is None:
-        raise APIError(
-            400,
-            "a tool_use block needs `input` (an object)",
-            param=f"{where}.input",
-            code="missing_required_parameter",
-        )
-    arguments = json.dumps(block.input, ensure_ascii=False)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _result_content(block: ContentBlock, where: str) -> tuple[str, list[tuple[str, str]]]:
-    """A tool result's text (its text blocks joined by newlines, `Error: ` before it when
-    `is_error`) and its images (`(the request block, URL)`), in order."""
-    content = block.content
-    images: list[tuple[str, str]] = []
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    else:
-        texts = []
-        for m, item in enumerate(content):
-            item_where = f"{where}.content[{m}]"
-            if isinstance(item, dict) and item.get("type") == "image":
-                source = item.get("source")
-                images.append((item_where, _image_url(source, item_where)))
-            else:
-                texts += _text_items(
-                    [item],
-                    f"{where}.content",
-                    "a tool_result's content may hold text and image blocks only",
-                    m,
-                )
-        text = "\n".join(texts)
-    if block.is_error:
-        text = f"Error: {text}" if text else "Error"
-    return text, images
-
-
-def _document_text(block: ContentBlock, where: str) -> str:
-    """A text document as the turn's text: its title, context and text, one a line."""
-    citations = block.citations
-    if citations is not None:
-        if not isinstance(citations, dict):
-            raise APIError(
-                400,
-                'a document\'s citations is an object, {"enabled": false}',
-                param=f"{where}.citations",
-                code="invalid_value",
-            )
-        enabled = citations.get("enabled", False)
-        if enabled is True:
-            raise APIError(
-                400,
-                "this server produces no citations: leave citations out of the document",
-                param=f"{where}.citations.enabled",
-                code="unsupported_value",
-            )
-        if enabled is not False:
-            raise APIError(
-                400,
-                "citations.enabled must be a boolean",
-                param=f"{where}.citations.enabled",
-                code="invalid_value",
-            )
-    source = block.source
-    param = f"{where}.source"
-    if source is None:
-        raise APIError(
-            400, "a document block needs `source`", param=param, code="missing_required_parameter"
-        )
-    kind = source.get("type")
-    if kind == "text":
-        if source.get("media_type", "text/plain") != "text/plain":
-            raise APIError(
-                400,
-                "a text source's media_type must be 'text/plain'",
-                param=f"{param}.media_type",
-                code="invalid_value",
-            )
-        text = source.get("data")
-        if not isinstance(text, str):
-            raise APIError(
-                400,
-                "a text source needs `data` (the document's text)",
-                param=f"{param}.data",
-                code="missing_required_parameter",
-            )
-    elif kind == "content":
-        content = source.get("content")
-        if isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            text = "\n".join(
-                _text_items(
-                    content, f"{param}.content", "a content source may hold text blocks only"
-                )
-            )
-        else:
-            raise APIError(
-                400,
-                "a content source needs `content` (a string or text blocks)",
-                param=f"{param}.content",
-                code="missing_required_parameter",
-            )
-    else:
-        raise APIError(
-            400,
-            "only text documents are read by this server (source type 'text' or 'content'); "
-            "PDFs (base64, url or file sources) are not: send their text",
-            param=f"{param}.type",
-            code="unsupported_value" if isinstance(kind, str) else "invalid_value",
-        )
-    return "\n".join(piece for piece in (block.title, block.context, text) if piece)
-
-
-def _text_items(items: list[Any], param: str, what: str, first: int = 0) -> list[str]:
-    """The texts of a list of text blocks (a document's content; a tool result's, whose images
-    are read apart), refusing any other block with a 400 naming it (`param[first + m]`) that
-    says `what` the list may hold."""
-    texts = []
-    for m, item in enumerate(items, start=first):
-        kind = item.get("type") if isinstance(item, dict) else None
-        if kind == "text" and isinstance(item.get("text"), str):
-            texts.append(item["text"])
-        elif kind == "text":
-            raise APIError(
-                400,
-                "a text block needs `text`",
-                param=f"{param}[{m}].text",
-                code="missing_required_parameter",
-            )
-        else:
-            raise APIError(
-                400,
-                f"{what}, not {kind!r}",
-                param=f"{param}[{m}].type",
-                code="unsupported_value",
-            )
-    return texts
-
-
-def _image_url(source: Any, where: str) -> str:
-    """The image of the block at `where`, whose `source` is given, as a URL the media fetcher
-    takes (a data URL for base64)."""
-    param = f"{where}.source"
-    if source is not None and not isinstance(source, dict):
-        raise APIError(400, "an image's source is an object", param=param, code="invalid_value")
-    if source is None:
-        raise APIError(
-            400, "an image block needs `source`", param=param, code="missing_required_parameter"
-        )
-    kind = source.get("type")
-    if kind == "base64":
-        media_type = source.get("media_type")
-        if media_type not in IMAGE_MEDIA_TYPES:
-            raise APIError(
-                400,
-                f"media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}",
-                param=f"{param}.media_type",
-                code="invalid_value",
-            )
-        data = source.get("data")
-        if not isinstance(data, str) or not data:
-            raise APIError(
-                400,
-                "a base64 source needs `data` (the image, base64-encoded)",
-                param=f"{param}.data",
-                code="missing_required_parameter",
-            )
-        return f"data:{media_type};base64,{data}"
-    if kind == "url":
-        url = source.get("url")
-        if not isinstance(url, str) or not url:
-            raise APIError(
-                400,
-                "a url source needs `url`",
-                param=f"{param}.url",
-                code="missing_required_parameter",
-            )
-        return url
-    raise APIError(
-        400,
-        "an image source's type must be 'base64' or 'url'",
-        param=f"{param}.type",
-        code="unsupported_value" if isinstance(kind, str) else "invalid_value",
-    )
