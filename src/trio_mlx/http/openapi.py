@@ -30,7 +30,7 @@ from trio_mlx.http.objects import (
     ResponseStreamEvent,
 )
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
-from trio_mlx.http.responses_requests import InputTokensRequest, ResponsesRequest
+from trio_mlx.http.responses.requests import InputTokensRequest, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 

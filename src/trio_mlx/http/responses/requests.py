@@ -5,7 +5,7 @@ The same rules as the other routes' bodies (`requests`): types and ranges that a
 about a field are checked here (a 400 whose `param` names the field), unknown fields are
 ignored, and a field accepted with one value only (`previous_response_id`: this server stores no
 responses) is refused by `check_supported` rather than ignored. Which fields each input item
-needs is checked where the items become a conversation (`responses.input_messages`).
+needs is checked where the items become a conversation (`conversation.input_messages`).
 """
 
 from __future__ import annotations
@@ -24,17 +24,14 @@ from trio_mlx.http.requests import (
     SamplingFields,
     TopLogprobs,
     _Body,
+    when_type,
 )
 from trio_mlx.http.structured_output import ResponseTextFormat
 
 
-def _when_type(kind: str, then: dict[str, Any]) -> dict[str, Any]:
-    return {"if": {"properties": {"type": {"const": kind}}, "required": ["type"]}, "then": then}
-
-
 def _input_item_schema(schema: dict[str, Any]) -> None:
     # Which fields each item type has and needs, as `InputItem` reads them and
-    # `responses.input_messages` checks them. `content` is a message's (a string or content
+    # `conversation.input_messages` checks them. `content` is a message's (a string or content
     # parts) or a reasoning item's (`reasoning_text` parts), `output` a function call output's:
     # their generated schemas move to their types' conditions (other types do not read them).
     def without_null(name: str) -> dict[str, Any]:
@@ -55,7 +52,7 @@ def _input_item_schema(schema: dict[str, Any]) -> None:
         "required": ["type", "text"],
     }
     schema["allOf"] = [
-        _when_type(
+        when_type(
             "function_call",
             {
                 "properties": {
@@ -66,7 +63,7 @@ def _input_item_schema(schema: dict[str, Any]) -> None:
                 "required": ["call_id", "name", "arguments"],
             },
         ),
-        _when_type(
+        when_type(
             "function_call_output",
             {
                 "properties": {"call_id": {"type": "string"}, "output": call_output},
@@ -88,7 +85,7 @@ def _input_item_schema(schema: dict[str, Any]) -> None:
                 "required": ["role", "content"],
             },
         },
-        _when_type(
+        when_type(
             "reasoning",
             {
                 "properties": {
@@ -106,7 +103,7 @@ class InputItem(_Body):
     call the assistant made earlier (`function_call`: `call_id`, `name`, `arguments`), its
     result (`function_call_output`: `call_id`, `output`), or earlier reasoning (`reasoning`:
     `content` of `reasoning_text` parts). Which fields each needs is checked where the items
-    become a conversation (`responses.input_messages`); the schema states it."""
+    become a conversation (`conversation.input_messages`); the schema states it."""
 
     model_config = ConfigDict(json_schema_extra=lambda schema: _input_item_schema(schema))
 
