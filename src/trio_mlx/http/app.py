@@ -12,6 +12,7 @@ Messages API) the same errors, with the same status codes, take Anthropic's shap
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
+from werkzeug.routing import BaseConverter
 
 from trio_mlx.http.access_log import AccessLog, record_of
 from trio_mlx.http.anthropic.errors import anthropic_error, is_messages_path
@@ -49,6 +51,7 @@ from trio_mlx.http.openapi import openapi_document
 from trio_mlx.http.ownership import RequestOwner
 from trio_mlx.http.page import add_page_routes
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
+from trio_mlx.http.responses.items import delete_response, input_items_page, stored_response
 from trio_mlx.http.responses.prompt import count_input_tokens
 from trio_mlx.http.responses.requests import InputTokensRequest, ResponsesRequest
 from trio_mlx.http.responses.run import start_response
@@ -70,6 +73,7 @@ def create_app(state: ServerState) -> QuartTrio:
         BODY_TIMEOUT=60,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
+    app.url_map.converters["response_id"] = ResponseIdConverter
     metrics = Metrics()
     routes: Any = RequestOwner(app.asgi_app)
     if state.settings.api_key:
@@ -83,6 +87,13 @@ def create_app(state: ServerState) -> QuartTrio:
     _routes(app, state, metrics)
     _error_handlers(app)
     return app
+
+
+class ResponseIdConverter(BaseConverter):
+    """A stored response's id in a path: any segment but `input_tokens`, so that
+    `/v1/responses/input_tokens` is `POST`'s alone (its `Allow` lists no `GET` or `DELETE`)."""
+
+    regex = r"(?!input_tokens(?:/|$))[^/]+"
 
 
 class FinishResponses:
@@ -205,6 +216,21 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
 
         return _event_stream(frames())
 
+    @app.get("/v1/responses/<response_id:response_id>")
+    async def stored_response_route(response_id: str) -> Response:
+        return _json(stored_response(state.responses, response_id).response)
+
+    @app.delete("/v1/responses/<response_id:response_id>")
+    async def delete_response_route(response_id: str) -> Response:
+        return _json(delete_response(state.responses, response_id))
+
+    @app.get("/v1/responses/<response_id:response_id>/input_items")
+    async def input_items_route(response_id: str) -> Response:
+        query = {
+            name: request.args[name] for name in ("after", "limit", "order") if name in request.args
+        }
+        return _json(input_items_page(state.responses, response_id, query))
+
     @app.post("/v1/responses/input_tokens")
     async def input_tokens_route() -> Response:
         return _json(await count_input_tokens(state, await read_body(InputTokensRequest)))
@@ -238,7 +264,12 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
     async def status_route() -> Response:
         engine, model = state.engine_for(None)
         stats = engine.get_stats()
-        stats["server"] = {"phase": state.phase, "model": model, "names": state.model_names}
+        stats["server"] = {
+            "phase": state.phase,
+            "model": model,
+            "names": state.model_names,
+            "response_store": dataclasses.asdict(state.responses.statistics()),
+        }
         return _json(stats)
 
     @app.get("/v1/cache/stats")

@@ -34,9 +34,10 @@ from trio_mlx.http.objects import (
     ResponseUsage,
     TokenLogprobOut,
 )
-from trio_mlx.http.responses.prompt import ResponsePrompt
+from trio_mlx.http.responses.prompt import CONTEXT_LENGTH_EXCEEDED, ResponsePrompt
 from trio_mlx.http.responses.reply_tokens import ReplyTokens
 from trio_mlx.http.responses.requests import ResponsesRequest
+from trio_mlx.http.responses.store import ConnectionCache, ResponseKeeper
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader
@@ -45,12 +46,55 @@ from trio_mlx.types import GenerationOutput
 
 
 async def start_response(
-    state: ServerState, body: ResponsesRequest, record: RequestRecord
+    state: ServerState,
+    body: ResponsesRequest,
+    record: RequestRecord,
+    connection: ConnectionCache | None = None,
 ) -> ResponseRun:
-    """Validate and admit a Responses request; raises `APIError` before anything is sent."""
-    prompt = ResponsePrompt(state, body)
+    """Validate and admit a Responses request (on a WebSocket, `connection` is its cache of
+    its most recent response); raises `APIError` before anything is sent. With
+    `truncation: "auto"`, a conversation the context cannot hold is truncated
+    (`ResponsePrompt.truncate`) and admitted again."""
+    prompt = ResponsePrompt(state, body, connection)
+    record.model = prompt.model
+    try:
+        active = await _admit(prompt, body, record)
+    except APIError as exc:
+        if exc.code != CONTEXT_LENGTH_EXCEEDED or body.truncation != "auto":
+            raise
+        if not await prompt.truncate():
+            raise
+        active = await _admit(prompt, body, record)
+    record.prompt_tokens = active.stream.prompt_tokens
+    reasons = active.stream.splits_reasoning
+    plan = prompt.plan
+    keeper = ResponseKeeper(
+        prompt.items,
+        prompt.previous,
+        state.responses if body.stored else None,
+        connection,
+    )
+    # A whole response with tools reads its reply a second time, output by output as a stream
+    # does, to tell the tokens of its text and reasoning from its calls' (`ReplyTokens`).
+    second = plan.reader()
+    return ResponseRun(
+        prompt.engine,
+        prompt.model,
+        body,
+        active,
+        record,
+        plan.reader(),
+        second,
+        reasons=reasons,
+        keeper=keeper,
+    )
+
+
+async def _admit(
+    prompt: ResponsePrompt, body: ResponsesRequest, record: RequestRecord
+) -> ActiveRequest:
+    """Start the prompt's generation with the request's options (`generation.start`)."""
     engine, plan = prompt.engine, prompt.plan
-    record.model = model = prompt.model
     options = body.sampling_options() | plan.options
     if body.logprobs:
         options["logprobs"] = True
@@ -59,7 +103,7 @@ async def start_response(
     if output_format is not None:  # a forced tool call's grammar (plan.options) comes first:
         options.setdefault("output_format", output_format)  # its reply has no content
     try:
-        active = await start(
+        return await start(
             lambda: engine.start_chat(
                 plan.messages,
                 max_tokens=body.max_output_tokens,
@@ -68,15 +112,9 @@ async def start_response(
                 **options,
             )
         )
-    except APIError as exc:  # a media part the engine refused
+    except APIError as exc:  # a media part the engine refused, a prompt too long
         prompt.name_field(exc)
         raise
-    record.prompt_tokens = active.stream.prompt_tokens
-    reasons = active.stream.splits_reasoning
-    # A whole response with tools reads its reply a second time, output by output as a stream
-    # does, to tell the tokens of its text and reasoning from its calls' (`ReplyTokens`).
-    second = plan.reader()
-    return ResponseRun(engine, model, body, active, record, plan.reader(), second, reasons=reasons)
 
 
 def reply_events(out: GenerationOutput, calls: CallReader | None) -> list[ToolEvent]:
@@ -106,6 +144,7 @@ class ResponseRun:
         second_calls: CallReader | None = None,
         *,
         reasons: bool = False,
+        keeper: ResponseKeeper | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -123,6 +162,19 @@ class ResponseRun:
         self._token_text = TokenText(engine.tokenizer)
         #: With `include: ["message.output_text.logprobs"]`.
         self.logprobs = body.logprobs
+        #: Where the response is kept when it ends (None: nowhere).
+        self._keeper = keeper
+
+    def end(self, response: ResponseObject) -> None:
+        """The response ended (its final object): keep it where it is kept (`store`), before
+        its last event or whole object is sent, so that a client can continue it at once."""
+        keeper = self._keeper
+        if keeper is None:
+            return
+        if response.status == "failed":
+            keeper.failed(self.body.previous_response_id)
+        elif keeper.keeps:
+            keeper.keep(response.dump())
 
     def close(self) -> None:
         """Close the admitted request (its slot is free; an unfinished generation is aborted)."""
@@ -170,6 +222,9 @@ class ResponseRun:
             status=status,  # type: ignore[arg-type]
             model=self.model,
             output=output,
+            previous_response_id=body.previous_response_id,
+            store=body.stored,
+            truncation=body.truncation or "disabled",
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,
             temperature=body.temperature,
@@ -232,7 +287,9 @@ class ResponseRun:
             )
             output.insert(0, item)
         counted = tokens.reasoning if tokens is not None else 0
-        return self.response(status, output, last, counted).dump()
+        response = self.response(status, output, last, counted)
+        self.end(response)
+        return response.dump()
 
     def _new_message(
         self, text: str | None, status: str, final: GenerationOutput, tokens: list[int]

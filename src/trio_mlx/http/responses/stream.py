@@ -19,7 +19,8 @@ The events come in batches, the events ready together (those before the first to
 output's), so that a transport writes each batch at once: the SSE route frames them with
 `event:` lines (no `[DONE]`: the Responses API has none), the WebSocket sends each as one
 message. The request is closed when the sequence ends, is cancelled (the client went away) or is
-dropped.
+dropped; a response is kept (`store`) when it ends, before its last event, and one whose
+sequence was cut short (the client went away) is not kept.
 """
 
 from __future__ import annotations
@@ -100,12 +101,9 @@ class ResponseEvents:
                     ready += self._reply_events(out)
                     ready += self._end_events(out, status)
                 output = [*self._items, *self._open_items()]
-                ready.append(
-                    self._event(
-                        f"response.{status}",
-                        response=self.run.response(status, output, out, self._tokens.reasoning),
-                    )
-                )
+                response = self.run.response(status, output, out, self._tokens.reasoning)
+                self.run.end(response)  # kept before the client can read that it ended
+                ready.append(self._event(f"response.{status}", response=response))
                 yield ready
                 return
         finally:
