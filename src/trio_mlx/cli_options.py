@@ -1,7 +1,8 @@
 """The options of `trio-mlx serve` and `trio-mlx generate`: their names, types, defaults and help.
 
 - `add_serve_arguments(parser)`: every option of `serve` (MODEL, the listening address, admission,
-  batching, prefill, speculative decoding, SpecPrefill, caches, media, the API key, tool calls),
+  batching, prefill, speculative decoding, SpecPrefill, caches, stored responses, media, the API
+  key, tool calls),
   in the order `--help` and the README list them. `http.server.settings_from_args` reads them.
 - `add_cpu_arguments(parser)`: `--cpu-weights`, `--blas` and `--prefill-step-size`, shared by
   `serve` and `generate`; `apply_cpu_arguments(args)` hands the first two to the engine through
@@ -23,6 +24,7 @@ import sys
 
 from trio_mlx.config import MLLM_DRAFT_KINDS
 from trio_mlx.engine.cpu_path import CHOICES as CPU_WEIGHTS_CHOICES
+from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES
 from trio_mlx.tools.registry import PARSER_CHOICES
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
@@ -271,6 +273,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4 * 1024 * 1024,
         help="largest request body accepted; larger ones get 413",
+    )
+    parser.add_argument(
+        "--response-store-size",
+        type=int,
+        default=DEFAULT_RESPONSES,
+        metavar="N",
+        help="Responses API responses (store: true) kept in memory for previous_response_id "
+        "and GET /v1/responses/{id}, the oldest evicted first; 0 keeps none",
+    )
+    parser.add_argument(
+        "--response-store-mb",
+        type=float,
+        default=DEFAULT_MEGABYTES,
+        metavar="MB",
+        help="memory for the kept responses in MiB (their JSON text, a conversation's earlier "
+        "items counted with each turn); 0 keeps none",
     )
     parser.add_argument(
         "--mllm",

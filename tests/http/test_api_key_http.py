@@ -153,6 +153,26 @@ async def test_the_openai_client_with_the_key_works_and_without_it_raises_authen
     assert caught.value.code == "invalid_api_key"
 
 
+async def test_the_stored_response_routes_need_the_key(keyed_server: RunningServer) -> None:
+    async with openai.AsyncOpenAI(
+        base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0
+    ) as good:
+        created = await good.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+        paths = [f"/v1/responses/{created.id}", f"/v1/responses/{created.id}/input_items"]
+        async with httpx.AsyncClient(base_url=keyed_server.url, timeout=30) as anonymous:
+            for method, path in [("GET", paths[0]), ("GET", paths[1]), ("DELETE", paths[0])]:
+                response = await anonymous.request(method, path)
+                assert response.status_code == 401, (method, path)
+                assert response.json()["error"]["code"] == "invalid_api_key"
+        assert (await good.responses.retrieve(created.id)).id == created.id
+        assert [item.type async for item in good.responses.input_items.list(created.id)] == [
+            "message"
+        ]
+        await good.responses.delete(created.id)
+        with pytest.raises(openai.NotFoundError):
+            await good.responses.retrieve(created.id)
+
+
 def _socket_url(server: RunningServer) -> str:
     return server.url.replace("http://", "ws://") + "/v1/responses"
 

@@ -39,7 +39,7 @@ from trio_mlx.http.objects import (
     CompletionChoice,
     ResponseStreamEvent,
 )
-from trio_mlx.http.responses import ResponseRun
+from trio_mlx.http.responses.stream import ResponseEvents
 from trio_mlx.http.server import RunningServer
 
 TRICKY = ["plain", ' "quoted" \\ \n\t', "naïve 日本 🙂 \u2028", "\x00\x1f\x7f", "", "\ud800"]
@@ -57,7 +57,7 @@ def test_token_templates_are_the_bytes_of_the_models(text: str) -> None:
         'cmpl-"q"', 1_700_000_000, "m é", text=None, echo="", with_logprobs=False
     )  # type: ignore[arg-type]
     assert reply._text_chunk(text) == sse(reply._body(CompletionChoice(text=text)).dump())
-    fast, slow = object.__new__(ResponseRun), object.__new__(ResponseRun)
+    fast, slow = object.__new__(ResponseEvents), object.__new__(ResponseEvents)
     fast._sequence = slow._sequence = 41
     for item_id, index in (('msg_"x"', 0), ("msg_abc", 3)):
         assert fast._text_delta(item_id, index, text) == slow._event(

@@ -74,7 +74,11 @@ async def test_disconnect_mid_prefill_streaming_and_not(tiny_model_dir: Path) ->
                         nursery.start_soon(cancel_when_held, made[0].held, waited)
                         await http.post(CHAT, json=body)
                 assert waited.cancelled_caught, "the request was still in prefill"
-            # The client has gone; let the runner finish the step it is in.
+            # The client has gone; once the server has aborted its request (the abort is then
+            # queued for the runner's next step boundary), let the runner finish the step it is
+            # in. Released earlier, the runner could finish the prefill and sample before the
+            # server noticed the closed connection.
+            await eventually(lambda: engine.get_stats()["runner"]["requests_in_flight"] == 0)
             gate.set()
             stats = await wait_until_idle(engine)
             assert stats["runner"]["aborted"] == before["aborted"] + 1

@@ -22,7 +22,7 @@ from media_samples import data_url, png, write_video
 from servers import running_server
 from trio_mlx.http.anthropic.requests import IMAGE_MEDIA_TYPES, MessagesRequest
 from trio_mlx.http.requests import ChatCompletionRequest, ContentPart
-from trio_mlx.http.responses_requests import ResponsesRequest
+from trio_mlx.http.responses.requests import ResponsesRequest
 from trio_mlx.multimodal.media import MediaPolicy
 from trio_mlx.multimodal.parts import MEDIA_PARTS
 

@@ -14,6 +14,7 @@ shape too (`http/anthropic/models.py`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
+from werkzeug.routing import BaseConverter
 
 from trio_mlx.http.access_log import AccessLog, record_of
 from trio_mlx.http.anthropic.errors import anthropic_error, anthropic_status
@@ -43,6 +45,7 @@ from trio_mlx.http.errors import (
     default_code,
     error_body,
     from_validation_error,
+    parse_json,
 )
 from trio_mlx.http.generation import SSE_HEADERS, joined, sse_frame
 from trio_mlx.http.in_flight import CountInFlight, NoteArrivals
@@ -52,8 +55,12 @@ from trio_mlx.http.openapi import openapi_document
 from trio_mlx.http.ownership import RequestOwner
 from trio_mlx.http.page import add_page_routes
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
-from trio_mlx.http.responses import count_input_tokens, start_response
-from trio_mlx.http.responses_requests import InputTokensRequest, ResponsesRequest
+from trio_mlx.http.responses.items import delete_response, input_items_page, stored_response
+from trio_mlx.http.responses.prompt import count_input_tokens
+from trio_mlx.http.responses.requests import InputTokensRequest, ResponsesRequest
+from trio_mlx.http.responses.run import start_response
+from trio_mlx.http.responses.socket import serve_responses_socket
+from trio_mlx.http.responses.stream import response_events
 from trio_mlx.http.state import ServerState
 
 log = logging.getLogger("trio_mlx.http")
@@ -70,6 +77,7 @@ def create_app(state: ServerState) -> QuartTrio:
         BODY_TIMEOUT=60,
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
+    app.url_map.converters["response_id"] = ResponseIdConverter
     metrics = Metrics()
     routes: Any = RequestOwner(app.asgi_app)
     if state.settings.api_key:
@@ -84,6 +92,13 @@ def create_app(state: ServerState) -> QuartTrio:
     _routes(app, state, metrics)
     _error_handlers(app)
     return app
+
+
+class ResponseIdConverter(BaseConverter):
+    """A stored response's id in a path: any segment but `input_tokens`, so that
+    `/v1/responses/input_tokens` is `POST`'s alone (its `Allow` lists no `GET` or `DELETE`)."""
+
+    regex = r"(?!input_tokens(?:/|$))[^/]+"
 
 
 class FinishResponses:
@@ -149,7 +164,7 @@ async def read_body(model: type[M]) -> M:
             code="unsupported_media_type",
         )
     raw = await request.get_data()
-    payload = _parse_json(raw, "body")
+    payload = parse_json(raw, "body")
     if not isinstance(payload, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     try:
@@ -200,11 +215,26 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
             return _json(await run.final())
 
         async def frames() -> AsyncIterator[bytes]:
-            async with contextlib.aclosing(run.events()) as batches:
+            async with contextlib.aclosing(response_events(run)) as batches:
                 async for batch in batches:  # the events ready together: one write
                     yield joined([sse_frame(type, data) for type, data in batch])
 
         return _event_stream(frames())
+
+    @app.get("/v1/responses/<response_id:response_id>")
+    async def stored_response_route(response_id: str) -> Response:
+        return _json(stored_response(state.responses, response_id).response)
+
+    @app.delete("/v1/responses/<response_id:response_id>")
+    async def delete_response_route(response_id: str) -> Response:
+        return _json(delete_response(state.responses, response_id))
+
+    @app.get("/v1/responses/<response_id:response_id>/input_items")
+    async def input_items_route(response_id: str) -> Response:
+        query = {
+            name: request.args[name] for name in ("after", "limit", "order") if name in request.args
+        }
+        return _json(input_items_page(state.responses, response_id, query))
 
     @app.post("/v1/responses/input_tokens")
     async def input_tokens_route() -> Response:
@@ -212,20 +242,7 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
 
     @app.websocket("/v1/responses")
     async def responses_socket() -> None:
-        await websocket.accept()
-        record = record_of(websocket.scope)
-        while True:
-            message = await websocket.receive()
-            try:
-                body = _socket_request(message)
-                run = await start_response(state, body, record)
-            except APIError as exc:
-                await websocket.send(json.dumps(_socket_error(exc)))
-                continue
-            async with contextlib.aclosing(run.events()) as batches:
-                async for batch in batches:
-                    for _, data in batch:  # one message an event
-                        await websocket.send(data)
+        await serve_responses_socket(state, websocket, record_of(websocket.scope))
 
     @app.get("/v1/models")
     async def models_route() -> Response:
@@ -256,7 +273,12 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
     async def status_route() -> Response:
         engine, model = state.engine_for(None)
         stats = engine.get_stats()
-        stats["server"] = {"phase": state.phase, "model": model, "names": state.model_names}
+        stats["server"] = {
+            "phase": state.phase,
+            "model": model,
+            "names": state.model_names,
+            "response_store": dataclasses.asdict(state.responses.statistics()),
+        }
         return _json(stats)
 
     @app.get("/v1/cache/stats")
@@ -285,39 +307,6 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
         return _json(openapi_document())
 
     add_page_routes(app, state)
-
-
-def _parse_json(raw: str | bytes, what: str) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the {what} is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, f"the {what} is nested too deeply", code="invalid_json") from None
-
-
-def _socket_request(message: str | bytes) -> ResponsesRequest:
-    payload = _parse_json(message, "message")
-    if not isinstance(payload, dict):
-        raise APIError(400, "a message must be a JSON object", code="invalid_json")
-    kind = payload.pop("type", None)
-    if kind != "response.create":
-        raise APIError(
-            400, f"unknown message type {kind!r}; expected 'response.create'", param="type"
-        )
-    payload.pop("stream", None)  # a WebSocket response is always streamed
-    try:
-        return ResponsesRequest.model_validate(payload)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
-def _socket_error(exc: APIError) -> dict[str, Any]:
-    return {
-        "type": "error",
-        "status": exc.status,
-        "error": {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param},
-    }
 
 
 def _error_handlers(app: QuartTrio) -> None:

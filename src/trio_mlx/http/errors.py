@@ -1,12 +1,14 @@
 """Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`, always JSON.
 
-`APIError` is what route code raises; `from_engine_error` maps the engine's exceptions (refusals,
-bad requests, a dead engine) to their HTTP status, and `from_validation_error` turns a pydantic
-validation failure into a 400 whose `param` names the offending field (`messages[0].content`).
+`APIError` is what route code raises; `parse_json` reads a body or a WebSocket message (a 400 when
+it is not JSON); `from_engine_error` maps the engine's exceptions (refusals, bad requests, a dead
+engine) to their HTTP status, and `from_validation_error` turns a pydantic validation failure
+into a 400 whose `param` names the offending field (`messages[0].content`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,6 +102,17 @@ def from_engine_error(exc: TrioMLXError) -> APIError:
     if isinstance(exc, EngineCrashed):
         return APIError(503, str(exc), type=UNAVAILABLE, code=exc.code)
     return APIError(500, str(exc), type=SERVER_ERROR, code=exc.code)
+
+
+def parse_json(raw: str | bytes, what: str) -> Any:
+    """`raw` read as JSON; malformed (or nested too deeply for Python) it is a 400 naming
+    `what` ("body", "message")."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the {what} is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, f"the {what} is nested too deeply", code="invalid_json") from None
 
 
 def from_validation_error(exc: ValidationError) -> APIError:

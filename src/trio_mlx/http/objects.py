@@ -275,6 +275,10 @@ class ResponseObject(_Out):
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
     output: list[OutputItem]
+    #: The response this one continued, and whether it is kept when it ends (`store`).
+    previous_response_id: str | None = None
+    store: bool = True
+    truncation: Literal["auto", "disabled"] = "disabled"
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -312,6 +316,29 @@ class TextLogprob(_Out):
                 TextTopLogprob(token=top.token, logprob=top.logprob) for top in item.top_logprobs
             ],
         )
+
+
+class ResponseDeleted(_Out):
+    """`DELETE /v1/responses/{id}`: the response is no longer stored."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
+
+
+class ResponseItemList(_Out):
+    """`GET /v1/responses/{id}/input_items`: a page of the conversation's input items (in the
+    shapes of the input items they were, each with an `id`), the ids of its first and last
+    item (null on an empty page), and whether more follow (the next page: `after=last_id`)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+    def dump(self) -> dict[str, Any]:  # first_id and last_id are always present
+        return self.model_dump(mode="json")
 
 
 class InputTokenCount(_Out):

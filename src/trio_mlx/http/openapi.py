@@ -26,11 +26,13 @@ from trio_mlx.http.objects import (
     InputTokenCount,
     ModelCard,
     ModelList,
+    ResponseDeleted,
+    ResponseItemList,
     ResponseObject,
     ResponseStreamEvent,
 )
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
-from trio_mlx.http.responses_requests import InputTokensRequest, ResponsesRequest
+from trio_mlx.http.responses.requests import InputTokensRequest, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -38,6 +40,7 @@ ERRORS = {
     "400": "Invalid request: malformed JSON, a wrong type or value (`param` names the field), "
     "a prompt that does not fit the context",
     "404": "Unknown model",
+    "404-response": "No stored response has this id (never made, `store` false, evicted, deleted)",
     "413": "Request body too large",
     "415": "Content-Type is not application/json",
     "429": "Admission refused: the engine is busy (see Retry-After)",
@@ -53,12 +56,60 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 
 def _errors(*codes: str) -> dict[str, Any]:
+    """The error responses of `codes` (`ERRORS` keys; `404-response` is a 404 of its own)."""
     return {
-        code: {
+        code.split("-")[0]: {
             "description": ERRORS[code],
             "content": {"application/json": {"schema": _ref(ErrorResponse)}},
         }
         for code in codes
+    }
+
+
+#: The path parameter of the stored-response routes.
+RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _stored_response_paths() -> dict[str, Any]:
+    """`GET` and `DELETE /v1/responses/{response_id}`, `GET .../input_items`."""
+    query = [
+        {
+            "name": "after",
+            "in": "query",
+            "required": False,
+            "description": "List the items after the item with this id (the next page).",
+            "schema": {"type": "string"},
+        },
+        {
+            "name": "limit",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+        },
+        {
+            "name": "order",
+            "in": "query",
+            "required": False,
+            "schema": {"enum": ["asc", "desc"], "default": "desc"},
+        },
+    ]
+    return {
+        "/v1/responses/{response_id}": {
+            "parameters": [RESPONSE_ID],
+            "get": _get("A stored response (`store`)", _ref(ResponseObject), "404-response"),
+            "delete": _get("Delete a stored response", _ref(ResponseDeleted), "404-response"),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "parameters": [RESPONSE_ID],
+            "get": _get(
+                "A stored response's input items, a page at a time: the conversation before "
+                "its output (the earlier turns' items included)",
+                _ref(ResponseItemList),
+                "400",
+                "404-response",
+            )
+            | {"parameters": query},
+        },
     }
 
 
@@ -212,6 +263,8 @@ def openapi_document() -> dict[str, Any]:
         ResponseObject,
         ResponseStreamEvent,
         InputTokenCount,
+        ResponseDeleted,
+        ResponseItemList,
         ModelList,
         ModelCard,
         Health,
@@ -255,7 +308,8 @@ def openapi_document() -> dict[str, Any]:
         "/v1/responses/input_tokens": {
             "post": {
                 "summary": "Count the input tokens of a response: the prompt `POST /v1/responses` "
-                "would prefill for the same `input`, `instructions` and `tools`",
+                "would prefill for the same `input`, `instructions`, `tools` and "
+                "`previous_response_id`",
                 "requestBody": {
                     "required": True,
                     "content": {"application/json": {"schema": _ref(InputTokensRequest)}},
@@ -264,6 +318,7 @@ def openapi_document() -> dict[str, Any]:
                 | _errors("400", "404", "413", "415", "500", "503"),
             }
         },
+        **_stored_response_paths(),
         "/v1/messages": _anthropic(
             "Anthropic Messages API: create a message",
             MessagesRequest,

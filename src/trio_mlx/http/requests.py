@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI chat and completions routes, as pydantic models, and what every
 route's body shares (`SamplingFields`, the content parts, the field types below). The Responses
-API's bodies are in `responses_requests`, the Anthropic ones in `anthropic/requests`.
+API's bodies are in `responses/requests`, the Anthropic ones in `anthropic/requests`.
 
 Types and ranges that are plain facts about the field are checked here (a failure is a 400 whose
 `param` names the field); values that depend on the model (token ids, the context) are checked by
@@ -183,6 +183,12 @@ TEXT_PART_TYPES = ("text", "input_text", "output_text")
 MEDIA_PART_FIELDS = {"image_url": "image_url", "input_image": "image_url", "video_url": "video_url"}
 #: Part types a request may hold (`input_audio` parses but is refused: no audio models here).
 SERVED_PART_TYPES = [*TEXT_PART_TYPES, "refusal", *MEDIA_PART_FIELDS]
+
+
+def when_type(kind: str, then: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema condition of a tagged object (a content part, an input item, a block):
+    `then` applies where its `type` is `kind`."""
+    return {"if": {"properties": {"type": {"const": kind}}, "required": ["type"]}, "then": then}
 
 
 def _part_type_is(*types: str) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from trio_mlx.http.preflight import (
     check_model,
     first_os_error,
 )
+from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES
 from trio_mlx.http.state import ServerSettings, ServerState
 from trio_mlx.multimodal.media import MediaPolicy
 
@@ -241,6 +242,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         shutdown_timeout=args.shutdown_timeout,
         api_key=getattr(args, "api_key", None) or None,
         tool_call_parser=getattr(args, "tool_call_parser", "auto"),
+        response_store_size=getattr(args, "response_store_size", DEFAULT_RESPONSES),
+        response_store_bytes=int(
+            getattr(args, "response_store_mb", DEFAULT_MEGABYTES) * 1024 * 1024
+        ),
         engine_options=engine_options,
     )
 

@@ -16,6 +16,7 @@ import trio
 
 from trio_mlx.actors.engine import Engine
 from trio_mlx.http.errors import NOT_FOUND, UNAVAILABLE, APIError
+from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES, ResponseStore
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class ServerSettings:
     #: How function calls are read from replies: "auto" (from the chat template) or a format
     #: name of `trio_mlx.tools.PARSER_CHOICES`.
     tool_call_parser: str = "auto"
+    #: The bounds of the stored Responses (`http/responses/store.py`): how many, how many bytes
+    #: in all; 0 stores none.
+    response_store_size: int = DEFAULT_RESPONSES
+    response_store_bytes: int = int(DEFAULT_MEGABYTES * 1024 * 1024)
     engine_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,6 +59,8 @@ class ServerState:
         self._idle = trio.Event()
         self._idle.set()
         self.created = int(time.time())
+        #: Responses kept for `previous_response_id` and the retrieval routes.
+        self.responses = ResponseStore(settings.response_store_size, settings.response_store_bytes)
 
     @property
     def model_names(self) -> list[str]:

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from trio_mlx.http.requests import NonNegative, Positive, _Body
+from trio_mlx.http.requests import NonNegative, Positive, _Body, when_type
 
 #: Block types that parse but are refused (search results).
 LATER_BLOCK_TYPES = ("search_result",)
@@ -109,10 +109,6 @@ _IMAGE_ITEM = {
 }
 
 
-def _when(kind: str, then: dict[str, Any]) -> dict[str, Any]:
-    return {"if": {"properties": {"type": {"const": kind}}, "required": ["type"]}, "then": then}
-
-
 def _block_schema(schema: dict[str, Any]) -> None:
     # Every field a block type reads, and which ones each type requires.
     schema["properties"] = {
@@ -140,8 +136,8 @@ def _block_schema(schema: dict[str, Any]) -> None:
     }
     schema["required"] = ["type"]
     schema["allOf"] = [
-        _when("text", {"properties": {"text": {"type": "string"}}, "required": ["text"]}),
-        _when(
+        when_type("text", {"properties": {"text": {"type": "string"}}, "required": ["text"]}),
+        when_type(
             "tool_use",
             {
                 "properties": {
@@ -152,8 +148,8 @@ def _block_schema(schema: dict[str, Any]) -> None:
                 "required": ["id", "name", "input"],
             },
         ),
-        _when("image", {"properties": {"source": _IMAGE_SOURCE}, "required": ["source"]}),
-        _when(
+        when_type("image", {"properties": {"source": _IMAGE_SOURCE}, "required": ["source"]}),
+        when_type(
             "document",
             {
                 "properties": {
@@ -168,7 +164,7 @@ def _block_schema(schema: dict[str, Any]) -> None:
                 "required": ["source"],
             },
         ),
-        _when(
+        when_type(
             "tool_result",
             {
                 "properties": {

@@ -3,9 +3,10 @@ message on its WebSocket), as pydantic models.
 
 The same rules as the other routes' bodies (`requests`): types and ranges that are plain facts
 about a field are checked here (a 400 whose `param` names the field), unknown fields are
-ignored, and a field accepted with one value only (`previous_response_id`: this server stores no
-responses) is refused by `check_supported` rather than ignored. Which fields each input item
-needs is checked where the items become a conversation (`responses.input_messages`).
+ignored, and what depends on other fields is refused by `check_supported` rather than ignored.
+Which fields each input item needs is checked where the items become a conversation
+(`conversation.input_messages`); `previous_response_id` is looked up where the prompt is built
+(`prompt.ResponsePrompt`, in `store`).
 """
 
 from __future__ import annotations
@@ -18,23 +19,19 @@ from pydantic.json_schema import SkipJsonSchema
 
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.requests import (
-    ONLY_NULL,
     ContentPart,
     Positive,
     SamplingFields,
     TopLogprobs,
     _Body,
+    when_type,
 )
 from trio_mlx.http.structured_output import ResponseTextFormat
 
 
-def _when_type(kind: str, then: dict[str, Any]) -> dict[str, Any]:
-    return {"if": {"properties": {"type": {"const": kind}}, "required": ["type"]}, "then": then}
-
-
 def _input_item_schema(schema: dict[str, Any]) -> None:
     # Which fields each item type has and needs, as `InputItem` reads them and
-    # `responses.input_messages` checks them. `content` is a message's (a string or content
+    # `conversation.input_messages` checks them. `content` is a message's (a string or content
     # parts) or a reasoning item's (`reasoning_text` parts), `output` a function call output's:
     # their generated schemas move to their types' conditions (other types do not read them).
     def without_null(name: str) -> dict[str, Any]:
@@ -55,7 +52,7 @@ def _input_item_schema(schema: dict[str, Any]) -> None:
         "required": ["type", "text"],
     }
     schema["allOf"] = [
-        _when_type(
+        when_type(
             "function_call",
             {
                 "properties": {
@@ -66,7 +63,7 @@ def _input_item_schema(schema: dict[str, Any]) -> None:
                 "required": ["call_id", "name", "arguments"],
             },
         ),
-        _when_type(
+        when_type(
             "function_call_output",
             {
                 "properties": {"call_id": {"type": "string"}, "output": call_output},
@@ -88,7 +85,7 @@ def _input_item_schema(schema: dict[str, Any]) -> None:
                 "required": ["role", "content"],
             },
         },
-        _when_type(
+        when_type(
             "reasoning",
             {
                 "properties": {
@@ -106,7 +103,7 @@ class InputItem(_Body):
     call the assistant made earlier (`function_call`: `call_id`, `name`, `arguments`), its
     result (`function_call_output`: `call_id`, `output`), or earlier reasoning (`reasoning`:
     `content` of `reasoning_text` parts). Which fields each needs is checked where the items
-    become a conversation (`responses.input_messages`); the schema states it."""
+    become a conversation (`conversation.input_messages`); the schema states it."""
 
     model_config = ConfigDict(json_schema_extra=lambda schema: _input_item_schema(schema))
 
@@ -143,14 +140,15 @@ class InputItem(_Body):
             data.pop("output", None)
         return data
 
-    def reasoning(self, i: int) -> str:
-        """The text of a reasoning item's `reasoning_text` parts (it is the `i`th item)."""
+    def reasoning(self, field: str) -> str:
+        """The text of a reasoning item's `reasoning_text` parts (`field` names the item in
+        errors: `input[3]`)."""
         parts = self.reasoning_parts
         if parts is None:
             return ""
         if not isinstance(parts, list):
             raise APIError(
-                400, "a reasoning item's content is a list of parts", param=f"input[{i}].content"
+                400, "a reasoning item's content is a list of parts", param=f"{field}.content"
             )
         texts = []
         for j, part in enumerate(parts):
@@ -163,7 +161,7 @@ class InputItem(_Body):
                     400,
                     "a reasoning item's content parts are "
                     '{"type": "reasoning_text", "text": "..."}',
-                    param=f"input[{i}].content[{j}]",
+                    param=f"{field}.content[{j}]",
                 )
             texts.append(part["text"])
         return "\n".join(texts)
@@ -212,17 +210,6 @@ def _chat_tools(tools: list[ResponseTool] | None) -> list[dict[str, Any]] | None
     ]
 
 
-def _no_previous_response(previous_response_id: str | None) -> None:
-    if previous_response_id is not None:
-        raise APIError(
-            400,
-            "previous_response_id is not supported: this server does not "
-            "store responses; send the conversation as input items",
-            param="previous_response_id",
-            code="unsupported_value",
-        )
-
-
 #: What `include` may ask for. Only the text's logprobs are ever added here: the others are
 #: about items this server does not make (built-in tools' calls, reasoning's encrypted content)
 #: or stores (input images), so there is nothing of them to include.
@@ -261,8 +248,28 @@ class ResponsesRequest(SamplingFields):
     input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Positive | None = None
-    previous_response_id: Annotated[str | None, ONLY_NULL] = None
-    store: bool | None = None
+    previous_response_id: Annotated[
+        str | None,
+        Field(
+            description="Continue the conversation of this response: its input and output "
+            "items come before `input` (its `instructions` do not carry over). A response "
+            "stored on this server (`store`), or on a WebSocket the connection's most recent one."
+        ),
+    ] = None
+    store: Annotated[
+        bool | None,
+        Field(
+            description="Keep the response when it ends (completed or incomplete) for "
+            "`previous_response_id`, `GET /v1/responses/{id}` and its input items; default true."
+        ),
+    ] = None
+    truncation: Annotated[
+        Literal["auto", "disabled"] | None,
+        Field(
+            description="`auto`: a conversation longer than the context loses its oldest input "
+            "items until it fits; `disabled` (default): it is refused with a 400."
+        ),
+    ] = None
     metadata: dict[str, str] | None = None
     text: ResponseText | None = None
     tools: list[ResponseTool] | None = None
@@ -280,8 +287,12 @@ class ResponsesRequest(SamplingFields):
     def chat_tools(self) -> list[dict[str, Any]] | None:
         return _chat_tools(self.tools)
 
+    @property
+    def stored(self) -> bool:
+        """Whether the response is kept when it ends (`store`, true unless false)."""
+        return self.store is not False
+
     def check_supported(self) -> None:
-        _no_previous_response(self.previous_response_id)
         if self.top_logprobs and not self.logprobs:
             raise APIError(
                 400,
@@ -292,9 +303,11 @@ class ResponsesRequest(SamplingFields):
 
 class InputTokensRequest(_Body):
     """POST /v1/responses/input_tokens: the prompt fields of a Responses request, whose prompt
-    is counted as `POST /v1/responses` would prefill it (`input` or `instructions` needed)."""
+    is counted as `POST /v1/responses` would prefill it (`input`, `instructions` or
+    `previous_response_id` needed)."""
 
-    # `input` or non-empty `instructions` (refused in `check_supported`).
+    # `input`, non-empty `instructions` or `previous_response_id` (refused in
+    # `check_supported`).
     model_config = ConfigDict(
         json_schema_extra={
             "anyOf": [
@@ -303,6 +316,10 @@ class InputTokensRequest(_Body):
                     "required": ["instructions"],
                     "properties": {"instructions": {"type": "string", "minLength": 1}},
                 },
+                {
+                    "required": ["previous_response_id"],
+                    "properties": {"previous_response_id": {"type": "string", "minLength": 1}},
+                },
             ]
         }
     )
@@ -310,7 +327,9 @@ class InputTokensRequest(_Body):
     model: str | None = Field(default=None, description="A name from GET /v1/models.")
     input: str | Annotated[list[InputItem], Field(min_length=1)] | None = None
     instructions: str | None = None
-    previous_response_id: Annotated[str | None, ONLY_NULL] = None
+    previous_response_id: str | None = Field(
+        default=None, description="Count the conversation continued from this stored response."
+    )
     tools: list[ResponseTool] | None = None
     tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
@@ -320,8 +339,7 @@ class InputTokensRequest(_Body):
         return _chat_tools(self.tools)
 
     def check_supported(self) -> None:
-        _no_previous_response(self.previous_response_id)
-        if self.input is None and not self.instructions:
+        if self.input is None and not self.instructions and not self.previous_response_id:
             raise APIError(
                 400,
                 "input or instructions is needed: there is no prompt to count",

@@ -1,0 +1,242 @@
+"""Responses kept for later turns: the Responses API's `store` and `previous_response_id`.
+
+A response is kept when its generation ends `completed` or `incomplete` (before its last event
+is sent, so that a client that read it can continue at once), as a `StoredResponse`: its object
+as the client got it, its input items as the conversation resolved them (the previous
+response's input and output items, then its own, each with an `id`), and its output items. A
+`failed` response (a generation error, the server's shutdown) is not kept: its output is cut at
+an arbitrary step and a later turn would continue a reply the model never finished. Nor is a
+response whose client went away before it ended: its generation was aborted, it has no end.
+
+Two places keep them, both in memory:
+
+- `ResponseStore`, the server's: the responses of requests with `store` true (the default, as at
+  OpenAI), for `previous_response_id` over HTTP and WebSocket, `GET` and `DELETE
+  /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`. Bounded by count and by bytes
+  (`--response-store-size`, `--response-store-mb`), the oldest evicted first; a bound of 0 keeps
+  nothing. A response's bytes are the JSON length of its object and of its items, the earlier
+  turns' items included: a chain's items, shared by reference between its turns, count once for
+  each turn that holds them, so the count only overstates what the items' text takes. (Their
+  Python objects take a few times their JSON length.)
+- `ConnectionCache`, one WebSocket connection's: its most recent response, kept whether `store`
+  is true or false (OpenAI's connection-local cache, which makes the WebSocket mode work with
+  `store: false`). A turn that fails (refused, or its generation failed) drops the response it
+  named from the cache, as OpenAI's does, so that a retry does not continue from stale state;
+  the server's store, where the response is stored too, still has it.
+
+Everything runs on the Trio thread: no locks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trio_mlx.http.errors import APIError
+from trio_mlx.http.generation import json_text
+
+#: `--response-store-size` and `--response-store-mb` by default.
+DEFAULT_RESPONSES = 1000
+DEFAULT_MEGABYTES = 256.0
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A response as a later turn and the retrieval routes need it. The item dicts are shared
+    with the turns that continue it and must not be changed."""
+
+    id: str
+    #: The response object, as its last event (or the whole response) carried it.
+    response: dict[str, Any]
+    #: The conversation's input items before this response's output, oldest first.
+    input_items: tuple[dict[str, Any], ...]
+    #: The JSON length of `input_items` and of the output items.
+    conversation_bytes: int
+    #: What the store counts for it: the conversation and the response object.
+    size: int
+
+    @property
+    def output_items(self) -> tuple[dict[str, Any], ...]:
+        return tuple(self.response["output"])
+
+    @property
+    def conversation(self) -> tuple[dict[str, Any], ...]:
+        """What a turn continuing this response starts from: its input, then its output."""
+        return (*self.input_items, *self.output_items)
+
+    @classmethod
+    def of(
+        cls,
+        response: dict[str, Any],
+        input_items: Sequence[dict[str, Any]],
+        previous: StoredResponse | None = None,
+    ) -> StoredResponse:
+        """The stored form of a response that ended, whose conversation's input items were
+        `input_items`: `previous`'s conversation then the request's own, unless truncation
+        dropped some (`previous` only spares counting the bytes of the items it shares)."""
+        items = tuple(input_items)
+        shared = previous.conversation if previous is not None else ()
+        counted = 0  # the leading items whose bytes `previous` counted
+        if len(items) >= len(shared) and all(a is b for a, b in zip(items, shared, strict=False)):
+            counted = len(shared)
+        conversation_bytes = previous.conversation_bytes if counted and previous else 0
+        conversation_bytes += sum(
+            len(json_text(item)) for item in (*items[counted:], *response["output"])
+        )
+        return cls(
+            id=response["id"],
+            response=response,
+            input_items=items,
+            conversation_bytes=conversation_bytes,
+            size=conversation_bytes + len(json_text(response)),
+        )
+
+
+@dataclass(frozen=True)
+class StoreStatistics:
+    """A snapshot of the server's store (`/v1/status`'s `response_store`)."""
+
+    responses: int
+    bytes: int
+    evicted: int
+    max_responses: int
+    max_bytes: int
+
+
+class ResponseStore:
+    """The server's stored responses: at most `max_responses` of them and `max_bytes` in all,
+    the oldest evicted first. A response larger than `max_bytes` alone is not kept."""
+
+    def __init__(
+        self,
+        max_responses: int = DEFAULT_RESPONSES,
+        max_bytes: int = int(DEFAULT_MEGABYTES * 1024 * 1024),
+    ) -> None:
+        self.max_responses = max(0, max_responses)
+        self.max_bytes = max(0, max_bytes)
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._bytes = 0
+        self._evicted = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_responses > 0 and self.max_bytes > 0
+
+    def put(self, response: StoredResponse) -> None:
+        """Keep `response` (the newest), evicting the oldest until both bounds hold."""
+        if not self.enabled or response.size > self.max_bytes:
+            return
+        self.delete(response.id)
+        while self._responses and (
+            len(self._responses) >= self.max_responses
+            or self._bytes + response.size > self.max_bytes
+        ):
+            _, oldest = self._responses.popitem(last=False)
+            self._bytes -= oldest.size
+            self._evicted += 1
+        self._responses[response.id] = response
+        self._bytes += response.size
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self._responses.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a response; whether it was there."""
+        response = self._responses.pop(response_id, None)
+        if response is None:
+            return False
+        self._bytes -= response.size
+        return True
+
+    def statistics(self) -> StoreStatistics:
+        return StoreStatistics(
+            responses=len(self._responses),
+            bytes=self._bytes,
+            evicted=self._evicted,
+            max_responses=self.max_responses,
+            max_bytes=self.max_bytes,
+        )
+
+
+class ConnectionCache:
+    """One WebSocket connection's most recent response (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.latest: StoredResponse | None = None
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        latest = self.latest
+        return latest if latest is not None and latest.id == response_id else None
+
+    def evict(self, response_id: str | None) -> None:
+        """Drop the cached response if it is `response_id`."""
+        if response_id is not None and self.get(response_id) is not None:
+            self.latest = None
+
+
+class ResponseKeeper:
+    """Where one response goes when it ends: the server's store (None: `store` false) and its
+    connection's cache (None: not on a WebSocket), with the conversation it had (`input_items`,
+    asked for only when it is kept)."""
+
+    def __init__(
+        self,
+        input_items: Callable[[], Sequence[dict[str, Any]]],
+        previous: StoredResponse | None,
+        store: ResponseStore | None,
+        connection: ConnectionCache | None,
+    ) -> None:
+        self._input_items = input_items
+        self._previous = previous
+        self._store = store if store is not None and store.enabled else None
+        self._connection = connection
+
+    @property
+    def keeps(self) -> bool:
+        """Whether a response that ends well is kept anywhere."""
+        return self._store is not None or self._connection is not None
+
+    def keep(self, response: dict[str, Any]) -> None:
+        """Keep a response that ended completed or incomplete (its object, dumped)."""
+        if not self.keeps:
+            return
+        stored = StoredResponse.of(response, self._input_items(), self._previous)
+        if self._store is not None:
+            self._store.put(stored)
+        if self._connection is not None:
+            self._connection.latest = stored
+
+    def failed(self, previous_response_id: str | None) -> None:
+        """The response failed: its connection forgets the response it continued."""
+        if self._connection is not None:
+            self._connection.evict(previous_response_id)
+
+
+def previous_response(
+    response_id: str, store: ResponseStore, connection: ConnectionCache | None = None
+) -> StoredResponse:
+    """The response a request continues: the connection's most recent one, else the server's
+    stored one; else OpenAI's 400 `previous_response_not_found`."""
+    found = connection.get(response_id) if connection is not None else None
+    found = found or store.get(response_id)
+    if found is None:
+        raise APIError(
+            400,
+            f"Previous response with id '{response_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    return found
+
+
+def response_not_found(response_id: str) -> APIError:
+    """The 404 of the retrieval routes for an id that is not stored (never was, `store`
+    false, evicted, deleted)."""
+    return APIError(
+        404,
+        f"Response with id '{response_id}' not found.",
+        param="response_id",
+        code="not_found",
+    )
