@@ -305,3 +305,39 @@ async def test_server_tools_anthropic_defined_tools_and_mcp_servers_are_refused(
             model="tiny", max_tokens=2, messages=USER, extra_body={"mcp_servers": []}
         )
         assert none.usage.output_tokens == 2
+
+
+async def test_what_anthropic_s_clients_send_and_this_server_needs_not_leaves_the_answer(
+    server: RunningServer,
+) -> None:
+    # What Claude-style clients send along (cache breakpoints, metadata, a service tier, beta
+    # headers, thinking on a model that has no thinking tags): accepted, the answer unchanged.
+    tool = {"name": "f", "description": "A tool.", "input_schema": {"type": "object"}}
+    plain: Any = {
+        "model": "tiny",
+        "max_tokens": 6,
+        "system": [{"type": "text", "text": "You are terse."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}],
+        "tools": [tool],
+    }
+    ephemeral = {"type": "ephemeral"}
+    dressed: Any = {
+        **plain,
+        "system": [{**plain["system"][0], "cache_control": {**ephemeral, "ttl": "1h"}}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{**plain["messages"][0]["content"][0], "cache_control": ephemeral}],
+            }
+        ],
+        "tools": [{**tool, "cache_control": ephemeral}],
+        "metadata": {"user_id": "user_1"},
+        "service_tier": "auto",
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "extra_headers": {"anthropic-beta": "interleaved-thinking-2025-05-14,context-1m"},
+    }
+    async with claude_for(server) as claude:
+        expected = await claude.messages.create(**plain, extra_body={"temperature": 0})
+        answer = await claude.messages.create(**dressed, extra_body={"temperature": 0})
+    assert [block.type for block in answer.content] == ["text"]
+    assert answer.content == expected.content and answer.stop_reason == expected.stop_reason
