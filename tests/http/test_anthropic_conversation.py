@@ -195,12 +195,38 @@ def test_blocks_out_of_place_or_incomplete_are_400s(block: Any, param: str) -> N
     assert refused.value.status == 400 and refused.value.param == param
 
 
-def test_a_tool_result_holds_text_blocks_only() -> None:
-    result = {
-        "type": "tool_result",
-        "tool_use_id": "t",
-        "content": [{"type": "image", "source": {}}],
+def test_a_tool_result_holds_text_and_image_blocks_only() -> None:
+    def refusal(*items: Any) -> str | None:
+        result = {"type": "tool_result", "tool_use_id": "t", "content": list(items)}
+        with pytest.raises(APIError) as refused:
+            conversation(request([{"role": "user", "content": [result]}]))
+        return refused.value.param
+
+    text = {"type": "text", "text": "x"}
+    document = {"type": "document", "source": {"type": "text", "data": "x"}}
+    assert refusal(text, document) == "messages[0].content[0].content[1].type"
+    image = {"type": "image", "source": {}}
+    assert refusal(text, image) == "messages[0].content[0].content[1].source.type"
+
+
+def test_a_tool_result_s_images_are_media_parts_of_its_tool_message() -> None:
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [image], "is_error": True}
+    chat = conversation(request([*LOOP[:2], {"role": "user", "content": [result]}]))
+    assert chat.messages[-1] == {
+        "role": "tool",
+        "tool_call_id": "t",
+        "content": [
+            {"type": "text", "text": "Error"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+        ],
     }
-    with pytest.raises(APIError) as refused:
-        conversation(request([{"role": "user", "content": [result]}]))
-    assert refused.value.param == "messages[0].content[0].content[0].type"
+    exc = APIError(400, "bad", param=f"messages[{len(chat.messages) - 1}].content[1].image_url")
+    chat.name_field(exc)
+    assert exc.param == "messages[2].content[0].content[0].source"
+
+
+def test_thinking_handed_back_is_the_turn_s_reasoning_only_where_the_template_renders_it() -> None:
+    kept = conversation(request(LOOP), keep_reasoning=True).messages[1]
+    assert kept["reasoning_content"] == "two cities" and kept["content"] == "Checking."
+    assert "reasoning_content" not in conversation(request(LOOP)).messages[1]

@@ -331,11 +331,17 @@ def said(error: anthropic.APIStatusError) -> str:
 
 
 def assert_anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
-    """The response is Anthropic's error shape with `status` and `kind`; returns the message."""
+    """The response is Anthropic's error shape with `status` and `kind`, naming its request as
+    its `request-id` header does; returns the message."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
     body = response.json()
-    assert body == {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
+    request_id = response.headers["request-id"]
+    assert body == {
+        "type": "error",
+        "error": {"type": kind, "message": body["error"]["message"]},
+        "request_id": request_id,
+    }
     assert body["error"]["message"]
     return str(body["error"]["message"])
 
@@ -367,8 +373,13 @@ async def test_client_errors_raise_the_sdk_s_classes_with_anthropic_types(
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "document"}]}]},
+            "messages.0.content.0.source: ",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "search_result"}]}]},
             "messages.0.content.0.type: ",
         ),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type: "),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content."),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role: "),
         ({"messages": []}, "messages: "),
@@ -446,9 +457,11 @@ async def test_a_body_over_the_limit_is_413_in_anthropic_s_shape(tiny_model_dir:
         assert small.usage.output_tokens == 2
 
 
-async def test_a_busy_engine_is_429_rate_limit_error_with_retry_after(
+async def test_a_busy_engine_is_529_overloaded_error_with_retry_after(
     tiny_model_dir: Path,
 ) -> None:
+    # Anthropic answers a busy service with 529 `overloaded_error` (its 429 `rate_limit_error`
+    # is an account over its limits); its clients retry both, after `retry-after`.
     loader, made = wrapping_loader(GatedModel)
     async with (
         running_server(
@@ -468,18 +481,35 @@ async def test_a_busy_engine_is_429_rate_limit_error_with_retry_after(
         nursery.start_soon(hold)
         engine = engine_of(server)
         await eventually(lambda: engine.get_stats()["running"] == 1)
-        with pytest.raises(anthropic.RateLimitError) as busy:
+        with pytest.raises(anthropic.InternalServerError) as busy:
             await claude.messages.create(model="tiny-llama", max_tokens=3, messages=USER)
-        assert busy.value.status_code == 429 and kind(busy.value) == "rate_limit_error"
+        assert busy.value.status_code == 529 and kind(busy.value) == "overloaded_error"
         assert int(busy.value.response.headers["retry-after"]) >= 1
-        with pytest.raises(anthropic.RateLimitError):
+        with pytest.raises(anthropic.InternalServerError) as busy:
             async with claude.messages.stream(
                 model="tiny-llama", max_tokens=3, messages=USER
             ) as stream:
                 await stream.get_final_message()
+        assert busy.value.status_code == 529 and kind(busy.value) == "overloaded_error"
+        # A client that retries (the SDK's default) waits `retry-after` and is served.
+        refusals = engine.get_stats()["busy_rejections"]
+        retried: list[anthropic.types.Message] = []
+
+        async def retry() -> None:
+            async with anthropic.AsyncAnthropic(
+                base_url=server.url, api_key="unused", max_retries=1, timeout=30
+            ) as patient:
+                retried.append(
+                    await patient.messages.create(model="tiny-llama", max_tokens=3, messages=USER)
+                )
+
+        nursery.start_soon(retry)
+        await eventually(lambda: engine.get_stats()["busy_rejections"] > refusals)
         gate.set()
         with trio.fail_after(30):
             await done.wait()
+        await eventually(lambda: bool(retried), limit=30)
+        assert retried[0].usage.output_tokens == 3
 
 
 async def test_a_failure_mid_stream_is_an_error_event(tiny_model_dir: Path) -> None:

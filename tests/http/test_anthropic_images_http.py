@@ -1,16 +1,21 @@
 """Image blocks on /v1/messages with the official `anthropic` client, against a server on the tiny
 random Qwen2-VL: the image reaches the model through the engine's multimodal path (the answer
 is the chat route's for the same image), bad images are 400s naming the block's source in
-Anthropic's shape. (A text-only model's refusal is in test_anthropic_http.py.)"""
+Anthropic's shape; an image in a tool result reaches a model whose template renders tool
+messages, and is refused where results are written into the prompt as text. (A text-only
+model's refusal is in test_anthropic_http.py.)"""
 
 from __future__ import annotations
 
 import base64
+import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -133,3 +138,119 @@ async def test_bad_images_are_400_naming_the_source(
             assert body["type"] == "error"
             assert body["error"]["type"] == "invalid_request_error"
             assert body["error"]["message"].startswith(field), body
+
+
+def with_template_that_knows_tools(vlm_dir: Path, out_dir: Path) -> Path:
+    """A copy of the tiny VLM whose chat template names `tools` (it renders tool messages as any
+    other turn, images included), as tool-aware VLM templates (Qwen2.5-VL's) do."""
+    shutil.copytree(vlm_dir, out_dir)
+    template = out_dir / "chat_template.json"
+    data = json.loads(template.read_text())
+    data["chat_template"] = "{# no tools are offered #}" + data["chat_template"]
+    template.write_text(json.dumps(data))
+    jinja = out_dir / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text("{# no tools are offered #}" + jinja.read_text())
+    return out_dir
+
+
+SHOT: Any = [{"name": "screenshot", "input_schema": {"type": "object"}}]
+
+
+def shot_result(*blocks: dict[str, Any]) -> Any:
+    """A tool loop whose tool result holds `blocks`."""
+    return [
+        {"role": "user", "content": "Take a screenshot."},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": list(blocks)}],
+        },
+    ]
+
+
+async def test_an_image_in_a_tool_result_reaches_a_model_whose_template_renders_tool_messages(
+    tiny_vlm_dir: Path, tmp_path: Path
+) -> None:
+    caption = {"type": "text", "text": "Here it is."}
+    model_dir = with_template_that_knows_tools(tiny_vlm_dir, tmp_path / "vlm-tools")
+    async with (
+        running_server(model_dir, served_model_names=("vlm",)) as server,
+        claude_for(server) as claude,
+    ):
+
+        async def answer_to(*blocks: dict[str, Any]) -> str:
+            reply = await claude.messages.create(
+                model="vlm",
+                max_tokens=8,
+                tools=SHOT,
+                messages=shot_result(*blocks),
+                extra_body={"temperature": 0},
+            )
+            assert reply.content[0].type == "text"
+            return reply.content[0].text
+
+        seen = await answer_to(caption, image_block(png(0)))
+        assert seen != await answer_to(caption, image_block(png(1)))
+        assert seen != await answer_to(caption)
+        # The chat route's tool message with the same parts is the same prompt.
+        chat = {
+            "model": "vlm",
+            "max_tokens": 8,
+            "temperature": 0,
+            "tools": [{"type": "function", "function": {"name": "screenshot", "parameters": {}}}],
+            "messages": [
+                {"role": "user", "content": "Take a screenshot."},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "toolu_1",
+                            "type": "function",
+                            "function": {"name": "screenshot", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": "toolu_1",
+                    "content": [
+                        {"type": "text", "text": "Here it is."},
+                        {"type": "image_url", "image_url": {"url": data_url(png(0))}},
+                    ],
+                },
+            ],
+        }
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            reply = await http.post("/v1/chat/completions", json=chat)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == seen
+        bad = {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/bmp", "data": "A"},
+        }
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await answer_to(caption, bad)
+        message = str(refused.value.body["error"]["message"])  # type: ignore[index]
+        assert message.startswith("messages.2.content.0.content.1.source.media_type: ")
+
+
+async def test_an_image_in_a_tool_result_is_refused_where_tool_messages_become_text(
+    vlm_server: RunningServer,
+) -> None:
+    # The tiny VLM's template knows no tools: results are written into the prompt as text.
+    async with claude_for(vlm_server) as claude:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await claude.messages.create(
+                model="vlm",
+                max_tokens=4,
+                tools=SHOT,
+                messages=shot_result({"type": "text", "text": "Here."}, image_block(png(0))),
+            )
+    message = str(refused.value.body["error"]["message"])  # type: ignore[index]
+    assert message.startswith("messages.2.content.0.content.1: ")
+    assert "does not render tool messages" in message

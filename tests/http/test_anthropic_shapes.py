@@ -8,7 +8,12 @@ import json
 import pytest
 
 from trio_mlx.http.anthropic.blocks import delta_event, event
-from trio_mlx.http.anthropic.errors import anthropic_error, dotted, is_messages_path
+from trio_mlx.http.anthropic.errors import (
+    anthropic_error,
+    anthropic_status,
+    dotted,
+    is_messages_path,
+)
 from trio_mlx.http.anthropic.objects import ContentBlockDeltaEvent, TextDelta, ThinkingDelta
 
 
@@ -37,11 +42,35 @@ def test_a_delta_event_is_the_bytes_of_its_model(text: str) -> None:
         (429, "rate_limit_error"),
         (500, "api_error"),
         (503, "overloaded_error"),
+        (529, "overloaded_error"),
     ],
 )
 def test_each_status_has_its_anthropic_type(status: int, kind: str) -> None:
     body = anthropic_error(status, {"message": "m", "type": "x", "param": None, "code": None})
     assert body == {"type": "error", "error": {"type": kind, "message": "m"}}
+
+
+def test_admission_s_refusal_is_anthropic_s_529_and_other_statuses_are_kept() -> None:
+    assert anthropic_status(429) == 529
+    assert [anthropic_status(s) for s in (400, 404, 413, 500, 503)] == [400, 404, 413, 500, 503]
+
+
+def test_a_request_id_and_the_codes_clients_act_on_are_in_the_body() -> None:
+    detail = {"message": "no", "param": "thread", "code": "thread_unsupported_request"}
+    assert anthropic_error(400, detail, "req_1") == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": "thread: no",
+            "details": {"error_code": "thread_unsupported_request"},
+        },
+        "request_id": "req_1",
+    }
+    other = anthropic_error(400, {**detail, "code": "invalid_value"})
+    assert other == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "thread: no"},
+    }
 
 
 def test_the_offending_field_leads_the_message_in_dotted_form() -> None:

@@ -5,8 +5,10 @@ unknown routes (404), wrong methods (405), bodies over `max_body_bytes` (413), n
 types (415), malformed JSON and validation failures (400 with `param`), unknown models (404),
 admission refusals (429 with `Retry-After`), a model still loading or a dead engine (503), and
 anything unexpected (500, logged with its traceback). Under `/v1/messages` (the Anthropic
-Messages API) the same errors, with the same status codes, take Anthropic's shape instead
-(`http/anthropic/errors.py`).
+Messages API), and for any request of an Anthropic client (`anthropic-version`), the same errors
+take Anthropic's shape instead, with the same status codes but admission's refusal, Anthropic's
+529 there (`http/anthropic/errors.py`); `GET /v1/models` answers such a client in Anthropic's
+shape too (`http/anthropic/models.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTo
 from werkzeug.routing import BaseConverter
 
 from trio_mlx.http.access_log import AccessLog, record_of
-from trio_mlx.http.anthropic.errors import anthropic_error, is_messages_path
+from trio_mlx.http.anthropic.errors import anthropic_error, anthropic_status
 from trio_mlx.http.anthropic.messages import count_tokens, start_message
+from trio_mlx.http.anthropic.models import model_info, model_page
+from trio_mlx.http.anthropic.request_ids import RequestIds, request_id_of, speaks_anthropic
 from trio_mlx.http.anthropic.requests import CountTokensRequest, MessagesRequest
 from trio_mlx.http.anthropic.stream import message_events
 from trio_mlx.http.api_key import RequireAPIKey
@@ -81,6 +85,7 @@ def create_app(state: ServerState) -> QuartTrio:
         routes = RequireAPIKey(
             routes, state.settings.api_key, max_body_bytes=state.settings.max_body_bytes
         )
+    routes = RequestIds(routes)  # outside the key check: a 401 has its `request-id` too
     app.asgi_app = CountInFlight(  # type: ignore[method-assign,assignment]
         FinishResponses(AccessLog(NoteArrivals(routes, state), metrics.observe)), state
     )
@@ -242,12 +247,16 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
     @app.get("/v1/models")
     async def models_route() -> Response:
         state.engine_for(None)
+        if speaks_anthropic(request.scope):
+            return _json(model_page(state, request.args))
         cards = [ModelCard(id=name, created=state.created) for name in state.model_names]
         return _json(ModelList(data=cards).dump())
 
     @app.get("/v1/models/<path:name>")
     async def model_route(name: str) -> Response:
         state.engine_for(name)
+        if speaks_anthropic(request.scope):
+            return _json(model_info(state, name))
         return _json(ModelCard(id=name, created=state.created).dump())
 
     @app.get("/health")
@@ -304,8 +313,9 @@ def _error_handlers(app: QuartTrio) -> None:
     def error_response(
         body: dict[str, Any], status: int, headers: dict[str, str] | None = None
     ) -> Response:
-        if is_messages_path(request.path):
-            body = anthropic_error(status, body["error"])
+        if speaks_anthropic(request.scope):
+            status = anthropic_status(status)
+            body = anthropic_error(status, body["error"], request_id_of(request.scope))
         return _json(body, status=status, headers=headers)
 
     @app.errorhandler(APIError)

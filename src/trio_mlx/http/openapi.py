@@ -44,6 +44,8 @@ ERRORS = {
     "413": "Request body too large",
     "415": "Content-Type is not application/json",
     "429": "Admission refused: the engine is busy (see Retry-After)",
+    "529": "Admission refused: the engine is busy (see Retry-After); Anthropic's status for an "
+    "overloaded service, on the Messages routes",
     "500": "Internal error",
     "503": "The model is loading, or the engine is shutting down or dead",
 }
@@ -201,7 +203,7 @@ def _anthropic(
             "description": ERRORS[code],
             "content": {"application/json": {"schema": _ref(AnthropicError)}},
         }
-        for code in ("400", "404", "413", "415", "429", "500", "503")
+        for code in ("400", "404", "413", "415", "500", "503", "529")
     }
     return {
         "post": {
@@ -328,9 +330,23 @@ def openapi_document() -> dict[str, Any]:
             CountTokensRequest,
             TokenCount,
         ),
-        "/v1/models": {"get": _get("The served model and its aliases", _ref(ModelList), "503")},
+        "/v1/models": {
+            "get": _get(
+                "The served model and its aliases (to a request with an `anthropic-version` "
+                "header, as Anthropic lists models: a page `{data, has_more, first_id, last_id}` "
+                "of `{type: model, id, display_name, created_at}`, paged by `limit`, `after_id`, "
+                "`before_id`)",
+                _ref(ModelList),
+                "503",
+            )
+        },
         "/v1/models/{model}": {
-            "get": _get("One model", _ref(ModelCard), "404", "503")
+            "get": _get(
+                "One model (Anthropic's shape to a request with an `anthropic-version` header)",
+                _ref(ModelCard),
+                "404",
+                "503",
+            )
             | {
                 "parameters": [
                     {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}

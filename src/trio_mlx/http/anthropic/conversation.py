@@ -7,9 +7,15 @@
 - `tool_use` blocks of an assistant turn become that turn's `tool_calls` (`input` as the
   arguments' JSON text); each `tool_result` block of a user turn becomes a `tool` message (its
   `tool_use_id` as `tool_call_id`; its content, a string or text blocks joined by newlines,
-  `Error: ` before it when `is_error`), in the order of the blocks; the turn's other blocks
+  `Error: ` before it when `is_error`, then its `image` blocks as image parts, which a
+  vision-language model whose chat template renders tool messages sees and any other model
+  refuses with a 400 naming the block), in the order of the blocks; the turn's other blocks
   (text, images) follow as a user message. `http/tooling.py` renders calls and results as the
   model's template (or the fallback format) takes them.
+- `document` blocks of a user turn are text of that turn: their `title`, `context` and text, one
+  a line (a `text` source's `data`, or a `content` source's text blocks joined by newlines).
+  A PDF (`base64`, `url` or `file` source) is refused (400 naming the source's `type`), and so is
+  `citations: {"enabled": true}`: this server produces no citations.
 - `image` blocks of a user turn (`source` base64 with `media_type`, or `url`) become image parts
   for the engine's multimodal path: a vision-language model fetches and sees them, a text-only
   model refuses them (400 naming the block's `source`).
@@ -17,25 +23,35 @@
   and the answer continues its text; the answer's content holds only the continuation. An empty
   last assistant turn asks for nothing and is left out (kept, closed, when it is the only turn);
   one that holds `tool_use` blocks is rendered closed, and the answer is a new turn.
-- `thinking` and `redacted_thinking` blocks of assistant turns are dropped; in a user turn they
-  are refused, as are `tool_use` in a user turn and `tool_result` or `image` in an assistant
-  turn. `document` and `search_result` blocks are refused (400 naming the block's `type`).
+- `thinking` blocks of assistant turns (an earlier answer's reasoning, sent back) are the turn's
+  `reasoning_content` when the model's chat template renders it (`keep_reasoning`: Qwen3-style
+  templates show the model its reasoning during a tool loop, what Anthropic keeps thinking blocks
+  for), else dropped, as the template would drop them; `redacted_thinking` blocks (nothing to
+  read) are dropped. In a user turn they are refused, as are `tool_use` in a user turn and
+  `tool_result` or `image` in an assistant turn. `search_result` blocks are refused (400 naming
+  the block's `type`).
 - `thinking: {"type": "disabled"}` renders the template with `enable_thinking=False` (Qwen3-style
   templates; others ignore it).
 
+Each block is read and checked by `input_blocks.py`; this module puts what it says in its turn.
 An error the engine raises about a template message (`messages[k].content[p].image_url`) is
 renamed to the request's own field (`messages[i].content[j].source`) by `Conversation.name_field`.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trio_mlx.http.anthropic.input_blocks import (
+    document_text,
+    image_url,
+    required,
+    result_content,
+    tool_call,
+)
 from trio_mlx.http.anthropic.requests import (
-    IMAGE_MEDIA_TYPES,
     LATER_BLOCK_TYPES,
     THINKING_BLOCK_TYPES,
     ContentBlock,
@@ -92,6 +108,8 @@ class _Turn:
         #: part index -> the request block it came from (media parts only)
         self.sources: dict[int, str] = {}
         self.tool_calls: list[dict[str, Any]] = []
+        #: the text of the turn's thinking blocks, kept (`keep_reasoning`)
+        self.reasoning: list[str] = []
 
     @property
     def has_text(self) -> bool:
@@ -102,6 +120,7 @@ class _Turn:
         self.parts.extend(other.parts)
         self.sources.update({offset + p: where for p, where in other.sources.items()})
         self.tool_calls.extend(other.tool_calls)
+        self.reasoning.extend(other.reasoning)
 
     def message(self) -> dict[str, Any]:
         # With media, the parts themselves (the engine's multimodal path reads them).
@@ -110,13 +129,17 @@ class _Turn:
         item: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls:
             item["tool_calls"] = self.tool_calls
+        if self.reasoning:
+            item["reasoning_content"] = "\n".join(self.reasoning)
         if self.tool_call_id is not None:
             item["tool_call_id"] = self.tool_call_id
         return item
 
 
-def conversation(body: CountTokensRequest) -> Conversation:
-    """The request's conversation, refusing with a 400 what this server does not serve."""
+def conversation(body: CountTokensRequest, *, keep_reasoning: bool = False) -> Conversation:
+    """The request's conversation, refusing with a 400 what this server does not serve.
+    `keep_reasoning`: the chat template renders an assistant turn's `reasoning_content`, so the
+    turns' thinking blocks are kept as theirs."""
     turns: list[_Turn] = []
     system = body.system
     if isinstance(system, list):
@@ -126,7 +149,7 @@ def conversation(body: CountTokensRequest) -> Conversation:
         turn.parts.append({"type": "text", "text": system})
         turns.append(turn)
     for i, message in enumerate(body.messages):
-        for turn in _message_turns(i, message.role, message.content):
+        for turn in _message_turns(i, message.role, message.content, keep_reasoning):
             last = turns[-1] if turns else None
             if last is not None and last.role == turn.role and turn.role in ("user", "assistant"):
                 last.merge(turn)
@@ -155,7 +178,9 @@ def conversation(body: CountTokensRequest) -> Conversation:
     )
 
 
-def _message_turns(i: int, role: str, content: str | list[ContentBlock]) -> list[_Turn]:
+def _message_turns(
+    i: int, role: str, content: str | list[ContentBlock], keep_reasoning: bool
+) -> list[_Turn]:
     """The template messages one request message becomes: one turn, or (a user turn with tool
     results) a `tool` message per result and the rest as user turns, in the order given."""
     origin = f"messages[{i}]"
@@ -178,17 +203,27 @@ def _message_turns(i: int, role: str, content: str | list[ContentBlock]) -> list
                 out.append(_Turn(role, origin))
             out[-1].parts.append({"type": "text", "text": block.text})
         elif block.type in THINKING_BLOCK_TYPES and role == "assistant":
-            continue  # an earlier answer's reasoning: dropped, as Anthropic drops it
+            if keep_reasoning and block.type == "thinking" and block.thinking:
+                out[-1].reasoning.append(block.thinking)
         elif block.type == "tool_use" and role == "assistant":
-            out[-1].tool_calls.append(_tool_call(block, where))
+            out[-1].tool_calls.append(tool_call(block, where))
         elif block.type == "tool_result" and role == "user":
-            out.append(_Turn("tool", origin, _required(block.tool_use_id, where, "tool_use_id")))
-            out[-1].parts.append({"type": "text", "text": _result_text(block, where)})
+            out.append(_Turn("tool", origin, required(block.tool_use_id, where, "tool_use_id")))
+            text, images = result_content(block, where)
+            if text or not images:
+                out[-1].parts.append({"type": "text", "text": text})
+            for image_where, url in images:
+                out[-1].sources[len(out[-1].parts)] = image_where
+                out[-1].parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif block.type == "document" and role == "user":
+            if out[-1].role != role:
+                out.append(_Turn(role, origin))
+            out[-1].parts.append({"type": "text", "text": document_text(block, where)})
         elif block.type == "image" and role == "user":
             if out[-1].role != role:
                 out.append(_Turn(role, origin))
             out[-1].sources[len(out[-1].parts)] = where
-            image = {"url": _image_url(block, where)}
+            image = {"url": image_url(block.source, where)}
             out[-1].parts.append({"type": "image_url", "image_url": image})
         elif block.type in LATER_BLOCK_TYPES:
             raise APIError(
@@ -206,107 +241,3 @@ def _message_turns(i: int, role: str, content: str | list[ContentBlock]) -> list
             )
     # A user turn of tool results only: no empty user message after them.
     return [turn for turn in out if turn.parts or turn.tool_calls or len(out) == 1]
-
-
-def _required(value: str | None, where: str, name: str) -> str:
-    if value is None:
-        raise APIError(
-            400,
-            f"a block of this type needs `{name}`",
-            param=f"{where}.{name}",
-            code="missing_required_parameter",
-        )
-    return value
-
-
-def _tool_call(block: ContentBlock, where: str) -> dict[str, Any]:
-    call_id = _required(block.id, where, "id")
-    name = _required(block.name, where, "name")
-    if not name:
-        raise APIError(400, "a tool_use block needs a name", param=f"{where}.name")
-    if block.input is None:
-        raise APIError(
-            400,
-            "a tool_use block needs `input` (an object)",
-            param=f"{where}.input",
-            code="missing_required_parameter",
-        )
-    arguments = json.dumps(block.input, ensure_ascii=False)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _result_text(block: ContentBlock, where: str) -> str:
-    content = block.content
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    else:
-        texts = []
-        for m, item in enumerate(content):
-            kind = item.get("type")
-            if kind == "text" and isinstance(item.get("text"), str):
-                texts.append(item["text"])
-            elif kind == "text":
-                raise APIError(
-                    400,
-                    "a text block needs `text`",
-                    param=f"{where}.content[{m}].text",
-                    code="missing_required_parameter",
-                )
-            else:
-                raise APIError(
-                    400,
-                    f"a tool_result's content may hold text blocks only, not {kind!r}",
-                    param=f"{where}.content[{m}].type",
-                    code="unsupported_value",
-                )
-        text = "\n".join(texts)
-    if block.is_error:
-        return f"Error: {text}" if text else "Error"
-    return text
-
-
-def _image_url(block: ContentBlock, where: str) -> str:
-    """The block's image as a URL the media fetcher takes (a data URL for base64)."""
-    source = block.source
-    param = f"{where}.source"
-    if source is None:
-        raise APIError(
-            400, "an image block needs `source`", param=param, code="missing_required_parameter"
-        )
-    kind = source.get("type")
-    if kind == "base64":
-        media_type = source.get("media_type")
-        if media_type not in IMAGE_MEDIA_TYPES:
-            raise APIError(
-                400,
-                f"media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}",
-                param=f"{param}.media_type",
-                code="invalid_value",
-            )
-        data = source.get("data")
-        if not isinstance(data, str) or not data:
-            raise APIError(
-                400,
-                "a base64 source needs `data` (the image, base64-encoded)",
-                param=f"{param}.data",
-                code="missing_required_parameter",
-            )
-        return f"data:{media_type};base64,{data}"
-    if kind == "url":
-        url = source.get("url")
-        if not isinstance(url, str) or not url:
-            raise APIError(
-                400,
-                "a url source needs `url`",
-                param=f"{param}.url",
-                code="missing_required_parameter",
-            )
-        return url
-    raise APIError(
-        400,
-        "an image source's type must be 'base64' or 'url'",
-        param=f"{param}.type",
-        code="unsupported_value" if isinstance(kind, str) else "invalid_value",
-    )

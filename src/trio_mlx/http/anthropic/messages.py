@@ -2,11 +2,14 @@
 engine's chat path.
 
 A request is decided before the first byte, as on the OpenAI routes: validation, the chat
-template, the context check and admission (`start`: a bounded wait, or 429) all raise
-`APIError`, which the app answers in Anthropic's error shape. The admitted request is owned by
-the HTTP request's ASGI call (`ownership`), so a client that goes away at any point — while
-queued, mid-prefill, mid-stream, before the body's first byte — aborts it and frees its slot; in
-a batch, the other sequences go on.
+template, the context check and admission (`start`: a bounded wait, or 529) all raise
+`APIError`, which the app answers in Anthropic's error shape. A request for a message `thread`
+(the SDK's tool runner asks for one first) is refused with `thread_unsupported_request`: nothing
+is held between requests, and the client sends the whole conversation instead.
+
+The admitted request is owned by the HTTP request's ASGI call (`ownership`), so a client that
+goes away at any point — while queued, mid-prefill, mid-stream, before the body's first byte —
+aborts it and frees its slot; in a batch, the other sequences go on.
 
 With `tools` (`anthropic/tools.py` on `http/tooling.py`), the answer's text is read by the model
 family's call reader: its calls are `tool_use` blocks (`id` `toolu_...`, `name`, `input`), its
@@ -30,6 +33,7 @@ import uuid
 from typing import Any
 
 from trio_mlx.actors.request import ActiveRequest
+from trio_mlx.engine.prompts import renders_reasoning
 from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.anthropic import tools
 from trio_mlx.http.anthropic.blocks import ContentWriter
@@ -75,17 +79,42 @@ def check_supported(body: CountTokensRequest) -> None:
         )
 
 
+def check_served(body: MessagesRequest) -> None:
+    """Refuse what a Messages request asks of Anthropic's servers that this one does not do:
+    hold a `thread` between requests, connect to `mcp_servers`."""
+    if body.thread is not None:
+        raise APIError(
+            400,
+            "message threads are not served: this server holds no conversation between "
+            "requests; send the whole conversation without `thread`",
+            param="thread",
+            code="thread_unsupported_request",
+        )
+    if body.mcp_servers:
+        raise APIError(
+            400,
+            "MCP servers are not connected by this server: run them in the client and give "
+            "their tools as client tools (`tools`)",
+            param="mcp_servers",
+            code="unsupported_value",
+        )
+
+
 def _planned(state: ServerState, body: CountTokensRequest) -> tuple[Conversation, ToolPlan]:
     """The request's conversation, and how its tools reach the model (`tools.plan`)."""
     check_supported(body)
-    chat = conversation(body)
     engine, _ = state.engine_for(body.model)
-    plan = tools.plan(
-        body,
-        chat.messages,
-        tokenizer=engine.tokenizer,
-        parser=state.settings.tool_call_parser,
-    )
+    chat = conversation(body, keep_reasoning=renders_reasoning(engine.tokenizer))
+    try:
+        plan = tools.plan(
+            body,
+            chat.messages,
+            tokenizer=engine.tokenizer,
+            parser=state.settings.tool_call_parser,
+        )
+    except APIError as exc:  # about the conversation as planned: the request's own field
+        chat.name_field(exc)
+        raise
     return chat, plan
 
 
@@ -146,6 +175,7 @@ async def start_message(
     """Validate, prepare and admit one Messages request; raises `APIError` before any byte."""
     engine, model = state.engine_for(body.model)
     record.model = model
+    check_served(body)
     chat, plan = _planned(state, body)
     options: dict[str, Any] = dict(plan.options)
     if body.top_k is not None:

@@ -160,17 +160,35 @@ class MessageStopEvent(AnthropicObject):
     type: Literal["message_stop"] = "message_stop"
 
 
+class ErrorDetails(AnthropicObject):
+    """What an Anthropic client acts on beyond the error's type (`errors.DETAILED_CODES`)."""
+
+    error_code: str
+
+
 class AnthropicErrorObject(AnthropicObject):
     type: ErrorType
     message: str
+    #: only where the refusal has a code Anthropic's clients act on
+    details: ErrorDetails | None = None
 
 
 class AnthropicError(AnthropicObject):
     """Every error of these routes, as a response body and as the `error` event of a stream
-    that fails after it began."""
+    that fails after it began. `error.details` and `request_id` are left out where there are
+    none (Anthropic's errors leave them out too)."""
 
     type: Literal["error"] = "error"
     error: AnthropicErrorObject
+    request_id: str | None = None
+
+    def dump(self) -> dict[str, Any]:
+        out = super().dump()
+        if self.error.details is None:
+            del out["error"]["details"]
+        if self.request_id is None:
+            del out["request_id"]
+        return out
 
 
 STREAM_EVENTS: tuple[type[AnthropicObject], ...] = (

@@ -12,10 +12,12 @@ refused with a 400 naming the block) where the conversation is read (`conversati
 of a type error. Their variable parts (`source`, `input`, `tool_result` content) are plain
 objects here, checked there. The published schema states, type by type, what is served:
 `text`, `tool_use` (assistant turns), `tool_result` (user turns), `thinking` and
-`redacted_thinking` (assistant turns: what this server and Anthropic send back; dropped, as
-Anthropic drops earlier turns' thinking), and `image` (user turns; `source` base64 with a
-`media_type` of `IMAGE_MEDIA_TYPES`, or a `url`): served on a vision-language model and refused
-by a text-only one with a 400 naming the block, as the OpenAI routes' image parts are.
+`redacted_thinking` (assistant turns: what this server and Anthropic send back; a `thinking`
+block is the turn's reasoning where the chat template renders it, else dropped), `document`
+(user turns; text: a `text` source or a `content` source of text blocks), and `image` (user
+turns; `source` base64 with a `media_type` of `IMAGE_MEDIA_TYPES`, or a `url`): served on a
+vision-language model and refused by a text-only one with a 400 naming the block, as the OpenAI
+routes' image parts are.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from pydantic import ConfigDict, Field
 
 from trio_mlx.http.requests import NonNegative, Positive, _Body, when_type
 
-#: Block types that parse but are refused (documents, search results).
-LATER_BLOCK_TYPES = ("document", "search_result")
+#: Block types that parse but are refused (search results).
+LATER_BLOCK_TYPES = ("search_result",)
 #: Blocks of the model's own reasoning, dropped from assistant turns (see the module docstring).
 THINKING_BLOCK_TYPES = ("thinking", "redacted_thinking")
 #: The block types each role's turns may hold, as the published schema lists them.
 SERVED_BLOCK_TYPES = {
-    "user": ["text", "image", "tool_result"],
+    "user": ["text", "image", "document", "tool_result"],
     "assistant": ["text", "tool_use", *THINKING_BLOCK_TYPES],
 }
 #: The media types of a base64 image source.
@@ -50,6 +52,28 @@ _TEXT_ITEM = {
 
 
 _NON_EMPTY = {"type": "string", "minLength": 1}
+#: A document block's `source` as served: plain text, or content of text blocks.
+_DOCUMENT_SOURCE = {
+    "oneOf": [
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "text"},
+                "media_type": {"const": "text/plain"},
+                "data": {"type": "string"},
+            },
+            "required": ["type", "data"],
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "content"},
+                "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_ITEM}]},
+            },
+            "required": ["type", "content"],
+        },
+    ]
+}
 #: An image block's `source`, as `conversation.py` reads it.
 _IMAGE_SOURCE = {
     "oneOf": [
@@ -78,6 +102,13 @@ _IMAGE_SOURCE = {
 }
 
 
+_IMAGE_ITEM = {
+    "type": "object",
+    "properties": {"type": {"const": "image"}, "source": _IMAGE_SOURCE},
+    "required": ["type", "source"],
+}
+
+
 def _block_schema(schema: dict[str, Any]) -> None:
     # Every field a block type reads, and which ones each type requires.
     schema["properties"] = {
@@ -96,8 +127,12 @@ def _block_schema(schema: dict[str, Any]) -> None:
         },
         "is_error": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
         "source": _OBJECT_OR_NULL,
+        "thinking": _STRING_OR_NULL,
+        "signature": _STRING_OR_NULL,
+        "title": _STRING_OR_NULL,
+        "context": _STRING_OR_NULL,
         "cache_control": _OBJECT_OR_NULL,
-        "citations": {"anyOf": [{"type": "array"}, {"type": "null"}]},
+        "citations": {"anyOf": [{"type": "array"}, {"type": "object"}, {"type": "null"}]},
     }
     schema["required"] = ["type"]
     schema["allOf"] = [
@@ -115,6 +150,21 @@ def _block_schema(schema: dict[str, Any]) -> None:
         ),
         when_type("image", {"properties": {"source": _IMAGE_SOURCE}, "required": ["source"]}),
         when_type(
+            "document",
+            {
+                "properties": {
+                    "source": _DOCUMENT_SOURCE,
+                    "citations": {
+                        "anyOf": [
+                            {"type": "object", "properties": {"enabled": {"const": False}}},
+                            {"type": "null"},
+                        ]
+                    },
+                },
+                "required": ["source"],
+            },
+        ),
+        when_type(
             "tool_result",
             {
                 "properties": {
@@ -122,7 +172,7 @@ def _block_schema(schema: dict[str, Any]) -> None:
                     "content": {
                         "anyOf": [
                             {"type": "string"},
-                            {"type": "array", "items": _TEXT_ITEM},
+                            {"type": "array", "items": {"anyOf": [_TEXT_ITEM, _IMAGE_ITEM]}},
                             {"type": "null"},
                         ]
                     },
@@ -133,8 +183,11 @@ def _block_schema(schema: dict[str, Any]) -> None:
     ]
     schema["description"] = (
         "`text`; `tool_use` (`id`, `name`, `input`) in assistant turns; `tool_result` "
-        "(`tool_use_id`, `content` a string or text blocks, `is_error`) in user turns; `thinking` "
-        "and `redacted_thinking` in assistant turns (dropped); `image` blocks in user turns "
+        "(`tool_use_id`, `content` a string or text and image blocks, `is_error`) in user turns; "
+        "`thinking` "
+        "and `redacted_thinking` in assistant turns; `document` blocks of text in user turns "
+        '(`source` `{"type": "text", "media_type": "text/plain", "data"}` or `{"type": '
+        '"content", "content"}` of text blocks; `title`, `context`); `image` blocks in user turns '
         '(`{"type": "image", "source": {"type": "base64", "media_type", "data"}}` or '
         '`{"source": {"type": "url", "url"}}`), served on a vision-language model and refused '
         "by a text-only one with a 400 naming the block."
@@ -162,15 +215,23 @@ class ContentBlock(_Body):
     id: str | None = None
     name: str | None = None
     input: dict[str, Any] | None = None
-    # tool_result: a string, or blocks (text ones are served)
+    # tool_result: a string, or blocks (text and image ones are served)
     tool_use_id: str | None = None
     content: str | list[dict[str, Any]] | None = None
     is_error: bool | None = None
-    # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
+    # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"};
+    # document: {"type": "text", "media_type": "text/plain", "data"} or {"type": "content", ...}
     source: dict[str, Any] | None = None
+    # document
+    title: str | None = None
+    context: str | None = None
+    # thinking: the reasoning an earlier answer gave (its signature is not checked)
+    thinking: str | None = None
+    signature: str | None = None
     # Accepted and ignored: the prefix cache needs no breakpoints, it reuses any shared prefix.
     cache_control: dict[str, Any] | None = None
-    citations: list[Any] | None = None
+    # a text block's citations (a list, ignored); a document's `{"enabled"}` (not produced)
+    citations: list[Any] | dict[str, Any] | None = None
 
 
 def _role_blocks(schema: dict[str, Any]) -> None:
@@ -213,25 +274,30 @@ class MessageParam(_Body):
     content: str | list[ContentBlock]
 
 
-def _input_schema_is_an_object(schema: dict[str, Any]) -> None:
+def _client_tool_schema(schema: dict[str, Any]) -> None:
+    # What is served: a client tool whose `input_schema` is an object schema.
     schema["properties"]["input_schema"] = {
         "type": "object",
         "properties": {"type": {"const": "object"}},
         "required": ["type"],
     }
+    schema["properties"]["type"] = {"anyOf": [{"const": "custom"}, {"type": "null"}]}
+    schema["required"] = ["name", "input_schema"]
 
 
 class ToolParam(_Body):
     """A client tool: its name, what it does, and the JSON Schema of its `input` (an object).
-    Anthropic's server tools (`web_search`, `bash`, ...) are not served here."""
+    Anthropic's server tools (`web_search_...`, `code_execution_...`) and Anthropic-defined
+    client tools (`bash_...`, `text_editor_...`, `computer_...`), whose schema Claude knows and
+    this server does not, are refused in `tools.py` (a 400 naming the tool's `type`), which also
+    checks `input_schema`: parsed loosely here so that the refusal names what is wrong."""
 
-    model_config = ConfigDict(json_schema_extra=_input_schema_is_an_object)
+    model_config = ConfigDict(json_schema_extra=_client_tool_schema)
 
     name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
     description: str | None = None
-    # `type: "object"` is checked in `tools.py` (for its message); the schema says it too.
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
     cache_control: dict[str, Any] | None = None
 
 
@@ -322,3 +388,22 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
     #: The structured-outputs beta's spelling of `output_config.format`.
     output_format: JSONOutputFormat | None = None
+    #: The message-threads beta (the server holds the conversation between turns): not held
+    #: here, so a request with a `thread` is refused (`thread_unsupported_request`), and the
+    #: SDK's tool runner sends the whole conversation instead.
+    thread: Any = Field(
+        default=None,
+        json_schema_extra={
+            "type": "null",
+            "description": "Message threads are not served: send the whole conversation.",
+        },
+    )
+    #: The MCP connector beta (the server calls remote MCP servers' tools): not served, so a
+    #: request that lists any is refused rather than answered without their tools.
+    mcp_servers: list[Any] | None = Field(
+        default=None,
+        json_schema_extra={
+            "anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}],
+            "description": "MCP servers are not connected: give their tools as client tools.",
+        },
+    )

@@ -2,7 +2,9 @@
 
 - A tool `{name, description, input_schema}` is the function `{name, description, parameters}`;
   names are unique and `input_schema` is an object schema (`type: "object"`), else a 400 naming
-  the field.
+  the field. A tool of another `type` than `custom` (Anthropic's server tools, `web_search_...`,
+  and its own client tools, `bash_...`, `text_editor_...`, whose schema only Claude knows) is a
+  400 naming its `type`.
 - `tool_choice`: `auto` (or absent) is "auto"; `any` is "required"; `{"type": "tool", "name"}` is
   the named function (a name that is not among the tools: 400 on `tool_choice.name`); `none`
   offers nothing and reads nothing. `any` and `tool` without tools are a 400 on
@@ -31,6 +33,22 @@ def chat_tools(body: CountTokensRequest) -> list[dict[str, Any]] | None:
     out = []
     seen: set[str] = set()
     for i, tool in enumerate(body.tools):
+        if tool.type not in (None, "custom"):
+            raise APIError(
+                400,
+                f"tools of type {tool.type!r} (Anthropic's server tools and Anthropic-defined "
+                "tools) are not served by this server: give a client tool, with `name`, "
+                "`description` and `input_schema`",
+                param=f"tools[{i}].type",
+                code="unsupported_value",
+            )
+        if tool.input_schema is None:
+            raise APIError(
+                400,
+                "a client tool needs `input_schema` (the JSON Schema of its input)",
+                param=f"tools[{i}].input_schema",
+                code="missing_required_parameter",
+            )
         if tool.input_schema.get("type") != "object":
             raise APIError(
                 400,
