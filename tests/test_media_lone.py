@@ -1,9 +1,10 @@
 """One request with an image on the batched route, alone, on the GPU's prefill plan (a prompt
 fused with its first token's pass, `fused_tail_tokens` 1,024) and both ways the batch steps
 (pipelined or read at once): it takes its lane's path (`BatchDecoder.lone_media`): its first
-token from its prompt's pass, its tokens its lane's (`max_num_seqs` 1); a text request joining
-it mid-decode and an abort mid-decode leave every request as it is alone and the engine idle.
-On the tiny random Qwen2-VL (tests/tiny_vlm.py)."""
+token from its prompt's pass, its tokens its lane's (`max_num_seqs` 1); a text or image request
+joining it mid-decode and an abort mid-decode leave every request as it is alone and the engine
+idle; a second turn starts from the first's cache. On the tiny random Qwen2-VL and LLaVA
+(tests/tiny_vlm.py)."""
 
 from __future__ import annotations
 
@@ -64,14 +65,18 @@ async def test_a_lone_image_request_takes_its_first_token_from_its_prompt(
         await assert_idle(engine)
 
 
-async def test_a_text_request_joining_a_lone_image_row_leaves_both_as_alone(
-    tiny_vlm_dir: Path,
+@pytest.mark.parametrize("companion", ["text", "image"])
+async def test_a_request_joining_a_lone_image_row_leaves_both_as_alone(
+    tiny_vlm_dir: Path, companion: str
 ) -> None:
+    """A text request, or another image request (its own rope delta), joins the lone image row
+    mid-decode: the batch's one forward pass from there, each request's tokens its own alone."""
+    other = TEXT if companion == "text" else image_message(data_url(png(1)), "Describe it.")
     image_alone, _ = await alone(tiny_vlm_dir, IMAGE, max_tokens=64)
-    text_alone, _ = await alone(tiny_vlm_dir, TEXT)
+    other_alone, _ = await alone(tiny_vlm_dir, other)
     async with trio_mlx.open_engine(tiny_vlm_dir, max_num_seqs=4, **GPU_PLAN) as engine:
         image_tokens: list[int] = []
-        text: list[Any] = []
+        replies: list[Any] = []
         decoding = trio.Event()
 
         async def ask_image() -> None:
@@ -80,17 +85,17 @@ async def test_a_text_request_joining_a_lone_image_row_leaves_both_as_alone(
                 if len(image_tokens) >= 3:
                     decoding.set()
 
-        async def ask_text() -> None:
-            await decoding.wait()  # the image row decodes alone: the text joins it
-            text.append(await engine.chat(TEXT, **GREEDY))
+        async def ask_other() -> None:
+            await decoding.wait()  # the image row decodes alone: the other joins it
+            replies.append(await engine.chat(other, **GREEDY))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask_image)
-            nursery.start_soon(ask_text)
+            nursery.start_soon(ask_other)
         stats = engine.get_stats()["runner"]
         assert image_tokens == image_alone.tokens
-        assert text[0].tokens == text_alone.tokens
-        assert stats["media_joined"] == 1
+        assert replies[0].tokens == other_alone.tokens
+        assert stats["media_joined"] == (1 if companion == "text" else 2)
         assert "2" in stats["batch_sizes"]  # they decoded together
         await assert_idle(engine)
 
