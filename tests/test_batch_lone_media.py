@@ -1,7 +1,8 @@
 """A request with media alone in the decode batch takes its lane's path (`BatchDecoder.lone_media`,
 engine/batch_lone_media.py), driven step by step on the tiny random Qwen2-VL (tests/tiny_vlm.py):
-its first token comes from its prompt's last pass where that rest fits its plan's tail (the
-GPU's plan: 1,024 tokens), its steps go through its own model while it decodes alone; a text
+its first token comes from its prompt's last pass, read at once (the whole prompt on the GPU's
+plan, a fused tail of 1,024 tokens; the last token alone after its chunk on the CPU's), its
+steps go through its own model while it decodes alone; a text
 request joining it mid-decode merges it into the batch, where it decodes at its rope delta;
 the text leaving gives it its own cache and model again; and throughout, every sequence's
 greedy tokens are what it gives alone (the image request's: its media lane's,
@@ -150,11 +151,10 @@ def test_a_lone_image_row_takes_its_lanes_path_and_a_text_row_joins_and_leaves_i
     assert seq.rope_delta != 0  # its positions run at a delta of their own
     own = seq.prefill_model = CountedModel(seq.prefill_model)
     results = prefill_and_join(batch, tokens)
-    fused = plan.tail > 1
-    # its first token from its prompt's pass (the whole prompt fits the tail) or, with the
-    # CPU's plan, from the batch's first step, as in its lane
-    assert [r.first_token for r in results][-1] is fused
-    assert len(tokens.get(1, [])) == int(fused)
+    # its first token from its prompt's last pass, read at once, as in its lane: the whole
+    # prompt in one (the GPU's plan), or its chunk, then its last token alone (the CPU's)
+    assert [r.first_token for r in results] == ([True] if plan.tail > 1 else [False, True])
+    assert own.calls == len(results) and len(tokens[1]) == 1
     assert batch.solo and type(batch._cache[0]) is KVCache
     calls = own.calls
     for _ in range(6):

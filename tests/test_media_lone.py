@@ -25,6 +25,8 @@ GREEDY: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0}
 IMAGE = image_message(data_url(png(0)))
 TEXT = [{"role": "user", "content": "Count from one to ten, please, slowly and carefully."}]
 GPU_PLAN: dict[str, Any] = {"fused_tail_tokens": 1024}
+#: the GPU's plan (the prompt in its first token's pass) and the CPU's (its last token alone)
+PLANS: dict[str, dict[str, Any]] = {"gpu-plan": GPU_PLAN, "cpu-plan": {}}
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +34,11 @@ def llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("models") / "llava", model_type="llava")
 
 
-async def alone(model_dir: Path, messages: Any, **options: Any) -> Any:
-    """`messages` by itself in its media lane (the serialized route), on the GPU's plan."""
-    async with trio_mlx.open_engine(model_dir, max_num_seqs=1, **GPU_PLAN) as engine:
+async def alone(
+    model_dir: Path, messages: Any, plan: dict[str, Any] = GPU_PLAN, **options: Any
+) -> Any:
+    """`messages` by itself in its media lane (the serialized route), on `plan`."""
+    async with trio_mlx.open_engine(model_dir, max_num_seqs=1, **plan) as engine:
         out = await engine.chat(messages, **{**GREEDY, **options})
         return out, engine.get_stats()["runner"]
 
@@ -46,14 +50,17 @@ async def assert_idle(engine: trio_mlx.Engine) -> None:
     assert stats["runner"]["media_sequences"] == 0
 
 
+@pytest.mark.parametrize("plan", sorted(PLANS))
 @pytest.mark.parametrize("family", ["qwen2-vl", "llava"])
 async def test_a_lone_image_request_takes_its_first_token_from_its_prompt(
-    family: str, tiny_vlm_dir: Path, llava_dir: Path, batch_pipeline: bool
+    family: str, plan: str, tiny_vlm_dir: Path, llava_dir: Path, batch_pipeline: bool
 ) -> None:
-    """On an MRoPE model (its row at a rope delta of its own) and on one without MRoPE."""
+    """On an MRoPE model (its row at a rope delta of its own) and on one without MRoPE; its
+    whole prompt in its first token's pass (the GPU's plan) or its last token alone (the
+    CPU's)."""
     model_dir = tiny_vlm_dir if family == "qwen2-vl" else llava_dir
-    expected, lane = await alone(model_dir, IMAGE)
-    async with trio_mlx.open_engine(model_dir, max_num_seqs=4, **GPU_PLAN) as engine:
+    expected, lane = await alone(model_dir, IMAGE, PLANS[plan])
+    async with trio_mlx.open_engine(model_dir, max_num_seqs=4, **PLANS[plan]) as engine:
         out = await engine.chat(IMAGE, **GREEDY)
         stats = engine.get_stats()["runner"]
         assert out.tokens == expected.tokens and out.text == expected.text

@@ -70,7 +70,12 @@ from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_jump import can_jump, jump_row
-from trio_mlx.engine.batch_lone_media import first_token_pass, lone_step_model, takes_first_token
+from trio_mlx.engine.batch_lone_media import (
+    alone_with_media,
+    first_token_pass,
+    fits_first_pass,
+    lone_step_model,
+)
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
@@ -543,13 +548,17 @@ class BatchDecoder:
         """Prefill waiting sequences until `tokens` prompt tokens or `seconds` are spent: with
         `group_prefill`, first the short prompts of several arrivals together in one pass where
         they can (`batch_prefill`); then in admission order a chunk each (`batch_join.prefill`).
-        Ready sequences join only at `join()`. A sequence with media alone in the batch, whose
-        prompt's rest fits its tail, takes its first token from that rest's pass instead
-        (`lone_media`, `batch_lone_media`): its result carries the token."""
-        if self.lone_media and self.waiting:
+        Ready sequences join only at `join()`. A sequence with media alone in the batch takes
+        its first token from its prompt's last pass, once the rest fits its tail: after its
+        chunk, if that brought it there (`lone_media`, `batch_lone_media`); that pass's result
+        carries the token."""
+        lone = None
+        if self.lone_media and len(self.waiting) == 1:
             seq = self.waiting[0]
-            if takes_first_token(seq, decoding=self.decoding, waiting=len(self.waiting)):
-                return [self._first_token(seq)]
+            if alone_with_media(seq, decoding=self.decoding, waiting=1):
+                lone = seq
+        if lone is not None and fits_first_pass(lone):
+            return [self._first_token(lone)]
         group = self.group_prefill and not self._split
         results, group_failed = batch_join.prefill(
             self._model,
@@ -561,6 +570,8 @@ class BatchDecoder:
             bucketed=self._padded_prefill,
         )
         self.group_failures += group_failed
+        if lone is not None and lone in self.waiting and fits_first_pass(lone):
+            results.append(self._first_token(lone))  # its last prompt token, as in its lane
         return results
 
     def _first_token(self, seq: BatchSequence) -> PrefillResult:

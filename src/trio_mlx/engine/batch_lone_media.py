@@ -14,12 +14,15 @@ the batch when it is alone, against the media lane, which runs it as the seriali
   row's delta as an array made each step (`TextView(..., row_deltas=)`, the fused rope forced).
 
 So while nothing else decodes or waits:
-- `takes_first_token`: a sequence with media alone in the batch whose prompt's rest fits its
-  plan's tail (and has no grammar: a constrained row's first token is chosen with its mask, by
-  the batch) prefills that rest with its last token in one pass (`first_token_pass`); the
-  decoder chooses its first token from the last position's logits as it chooses a row's
-  (`BatchChoice.first`) and reads it at once. The token is the sequence's `pending` input when
-  it joins (`batch_join.joined`), or it ends there (EOS, `max_tokens` of 1).
+- `alone_with_media`: a sequence with media alone in the batch (and without a grammar: a
+  constrained row's first token is chosen with its mask, by the batch) takes its first token as
+  its lane does: the rest of its prompt, once it fits its plan's tail (`fits_first_pass`; a
+  longer prompt first prefills in chunks as any arrival, down to its last token, as its lane's
+  does), goes through its own model with its last token in one pass (`first_token_pass`, in the
+  prefill call that brought it there); the decoder chooses its first token from the last
+  position's logits as it chooses a row's (`BatchChoice.first`) and reads it at once. The token
+  is the sequence's `pending` input when it joins (`batch_join.joined`), or it ends there (EOS,
+  `max_tokens` of 1).
 - `lone_step_model`: the batch's only row, on its own cache (`BatchDecoder.solo`), continuing a
   prompt with media at a rope delta, decodes through its own model, the lane's forward pass
   exactly.
@@ -37,20 +40,27 @@ from typing import Any
 from trio_mlx.engine.batch_sequence import BatchSequence
 
 
-def takes_first_token(seq: BatchSequence, *, decoding: int, waiting: int) -> bool:
-    """Whether `seq` (waiting to join) takes its first token from its prompt's last pass: it has
-    media and no grammar, nothing else decodes or waits (`decoding`, `waiting`: the batch's rows
-    and waiting sequences, `seq` among them), and the rest of its prompt, its last token
-    included, fits its plan's fused tail."""
+def alone_with_media(seq: BatchSequence, *, decoding: int, waiting: int) -> bool:
+    """Whether `seq` (waiting to join) takes its lane's way to its first token: it has media
+    (its own model) and no grammar, prompt tokens left to feed on its own cache, and nothing
+    else decodes or waits (`decoding`, `waiting`: the batch's rows and waiting sequences, `seq`
+    among them)."""
     return (
         seq.media
         and seq.prefill_model is not None
         and seq.grammar is None
         and seq.cache is not None
+        and seq.pending is None
+        and not seq.prefill_done
         and decoding == 0
         and waiting == 1
-        and 0 < seq.remaining_prompt() + 1 <= seq.tail
     )
+
+
+def fits_first_pass(seq: BatchSequence) -> bool:
+    """Whether the rest of `seq`'s prompt, its last token included, fits its plan's fused tail:
+    its first token's pass may take it (else its chunks first)."""
+    return 0 < seq.remaining_prompt() + 1 <= seq.tail
 
 
 def first_token_pass(seq: BatchSequence) -> tuple[Any, int]:
