@@ -22,6 +22,10 @@ with `BatchDecoder.lone_media` off). Each step's wall time and the process's CPU
 thread's). Also the operations of one decode step's graph per route (`mx.export_to_dot`: what
 the device runs and the host builds each step).
 
+With `--host`, MLX's evaluation calls are timed and `mx.async_eval` evaluates at once: each
+step's host time (`step_host_us`: its time outside them, building the graph and choosing) is
+then apart from the device's, at the cost of any overlap between them.
+
 Settings, unless `--as-served`: the GPU's, where issue 18's figures were taken (the fused rope
 for text positions, pipelined batch steps, a fused prompt tail of 1,024 tokens), so each route
 runs the code it runs there; `--as-served`: this device's own.
@@ -47,6 +51,27 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 ROUTES = ("lane", "join", "join-batch-path")
+
+#: seconds spent inside MLX's evaluation calls so far (`--host`: `mx.eval` / `mx.async_eval`
+#: timed and synchronous, so that a step's host time is its time outside them)
+EVALUATING = [0.0]
+
+
+def split_host_time() -> None:
+    """Make `mx.async_eval` evaluate at once and time both evaluation calls (`EVALUATING`): a
+    step's time outside them is what the host spent building and choosing (no overlap with the
+    device, which the step then waits for in full)."""
+    import mlx.core as mx
+
+    evaluate = mx.eval
+
+    def timed(*arrays: Any) -> None:
+        began = time.perf_counter()
+        evaluate(*arrays)
+        EVALUATING[0] += time.perf_counter() - began
+
+    mx.eval = timed
+    mx.async_eval = timed
 
 
 class Route:
@@ -104,15 +129,18 @@ class Route:
             self._take(timed("batch decode", batch.decode))
         return calls
 
-    def step(self) -> tuple[float, float]:
-        began, cpu = time.perf_counter(), time.process_time()
+    def step(self) -> tuple[float, float, float]:
+        """One decode step: its wall, CPU and host seconds (host: outside MLX's evaluation
+        calls, with `--host`; else its wall time)."""
+        began, cpu, evaluating = time.perf_counter(), time.process_time(), EVALUATING[0]
         if self.name == "lane":
             result = self._lane.step()
             self.tokens.extend(result.tokens)
             self.finished = result.finish is not None
         else:
             self._take(self._batch.decode())
-        return time.perf_counter() - began, time.process_time() - cpu
+        wall = time.perf_counter() - began
+        return wall, time.process_time() - cpu, wall - (EVALUATING[0] - evaluating)
 
     def _take(self, results: list[Any]) -> None:
         for result in results:
@@ -175,6 +203,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--size", type=int, default=None, help="image side (pixels)")
     parser.add_argument("--routes", default=",".join(ROUTES))
     parser.add_argument("--as-served", action="store_true")
+    parser.add_argument(
+        "--host", action="store_true", help="evaluate at once and report each step's host time"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -189,6 +220,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     if not args.as_served:
         TextRoPE.default = True
         os.environ["TRIO_MLX_BATCH_PIPELINE"] = "on"
+    if args.host:
+        split_host_time()
     plan = PrefillPlan.choose(2048, tail=None if args.as_served else 1024, block=1, trimmable=True)
     pipelined = pipelining_pays()
     routes = args.routes.split(",")
@@ -208,7 +241,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             live = {name: Route(name, loaded, job, plan, pipelined) for name in routes}
             order = routes[i % len(routes) :] + routes[: i % len(routes)]
             firsts = {name: live[name].first() for name in order}
-            steps: dict[str, list[tuple[float, float]]] = {name: [] for name in routes}
+            steps: dict[str, list[list[tuple[float, float, float]]]] = {n: [] for n in routes}
             for k in range(args.steps // args.block):
                 for name in order[k % len(order) :] + order[: k % len(order)]:
                     mx.synchronize()
@@ -228,6 +261,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         "command": " ".join(["python -m bench.media_lone_steps", *argv]),
         "shape": args.shape,
         "settings": "as served" if args.as_served else "GPU-like (module docstring)",
+        "host_split": args.host,
         "plan": {"step": plan.step, "tail": plan.tail, "pipelined": pipelined},
         "repeats": repeats,
         "summary": overall(repeats, routes),
@@ -243,7 +277,7 @@ def main(argv: list[str]) -> dict[str, Any]:
 def summary_of(
     routes: list[str],
     firsts: dict[str, list[tuple[str, float, float]]],
-    steps: dict[str, list[list[tuple[float, float]]]],
+    steps: dict[str, list[list[tuple[float, float, float]]]],
     same: bool,
 ) -> dict[str, Any]:
     """One repeat: each route's calls to its first token (ms), its step medians (µs) and the
@@ -258,18 +292,22 @@ def summary_of(
             entry["ms"] += 1e3 * wall
             entry["cpu_ms"] += 1e3 * cpu
         after_vision = [c for c in firsts[name] if c[0] != "vision"]
-        walls = [[w for w, _ in block] for block in steps[name]]
-        cpus = [[c for _, c in block] for block in steps[name]]
+        walls = [[w for w, _, _ in block] for block in steps[name]]
+        cpus = [[c for _, c, _ in block] for block in steps[name]]
+        hosts = [[h for _, _, h in block] for block in steps[name]]
         row: dict[str, Any] = {
             "first_token_calls": calls,
             "vision_to_first_token_ms": 1e3 * sum(w for _, w, _ in after_vision),
             "vision_to_first_token_cpu_ms": 1e3 * sum(c for _, _, c in after_vision),
             "step_us": 1e6 * statistics.median(w for block in walls for w in block),
             "step_cpu_us": 1e6 * statistics.median(c for block in cpus for c in block),
+            "step_host_us": 1e6 * statistics.median(h for block in hosts for h in block),
         }
         if name != base:
-            row["step_over_lane"] = block_ratio(walls, [[w for w, _ in b] for b in steps[base]])
-            row["step_cpu_over_lane"] = block_ratio(cpus, [[c for _, c in b] for b in steps[base]])
+            mine = steps[base]
+            row["step_over_lane"] = block_ratio(walls, [[w for w, _, _ in b] for b in mine])
+            row["step_cpu_over_lane"] = block_ratio(cpus, [[c for _, c, _ in b] for b in mine])
+            row["step_host_over_lane"] = block_ratio(hosts, [[h for _, _, h in b] for b in mine])
         out[name] = row
     return out
 
@@ -288,8 +326,10 @@ def overall(repeats: list[dict[str, Any]], routes: list[str]) -> dict[str, Any]:
         "vision_to_first_token_cpu_ms",
         "step_us",
         "step_cpu_us",
+        "step_host_us",
         "step_over_lane",
         "step_cpu_over_lane",
+        "step_host_over_lane",
     )
     out: dict[str, Any] = {"same_tokens": all(r["same_tokens"] for r in repeats)}
     for name in routes:
