@@ -589,9 +589,8 @@ class BatchDecoder:
         if read.error is not None:
             self.waiting.remove(seq)
             return PrefillResult(seq, error=read.error)
-        finish = read.finish
         return PrefillResult(
-            seq, n, tokens=read.tokens, finish=finish, logprobs=read.logprobs, first_token=True
+            seq, n, tokens=read.tokens, finish=read.finish, logprobs=read.logprobs, first_token=True
         )
 
     def join(self) -> int:

@@ -42,13 +42,14 @@ from trio_mlx.engine.batch_sequence import BatchSequence
 
 def alone_with_media(seq: BatchSequence, *, decoding: int, waiting: int) -> bool:
     """Whether `seq` (waiting to join) takes its lane's way to its first token: it has media
-    (its own model) and no grammar, prompt tokens left to feed on its own cache, and nothing
-    else decodes or waits (`decoding`, `waiting`: the batch's rows and waiting sequences, `seq`
-    among them)."""
+    (its own model), no grammar and no store points (a prompt with media has none: its snapshots
+    are taken at its end), prompt tokens left to feed on its own cache, and nothing else decodes
+    or waits (`decoding`, `waiting`: the batch's rows and waiting sequences, `seq` among them)."""
     return (
         seq.media
         and seq.prefill_model is not None
         and seq.grammar is None
+        and not seq.job.store_points
         and seq.cache is not None
         and seq.pending is None
         and not seq.prefill_done
