@@ -101,8 +101,9 @@ async def run_both(
     model_dir: Path, run: Any, rotations: list[int], *, media_rows: bool = False, **options: Any
 ) -> tuple[Any, Any]:
     """`run(engine)` with the fused rope, then with mlx-vlm's MRoPE (no fused rotation then,
-    but for a batch with `media_rows`: rows continuing prompts with media take it always,
-    `multimodal.joining`): one engine each, each loading the model."""
+    but for a batch with `media_rows`: rows continuing prompts with media beside other rows take
+    it always, `multimodal.joining`; alone in the batch such a row decodes through its own model,
+    as its lane, `engine.batch_lone_media`): one engine each, each loading the model."""
     results = []
     for enabled in (True, False):
         TextRoPE.default = enabled
@@ -170,9 +171,9 @@ async def test_text_requests_batched_and_a_cached_second_turn_match(
         assert second.cached_tokens > 0
         return [*outputs, first.tokens, second.tokens]
 
-    fused, plain = await run_both(
-        tiny_vlm_dir, batch_and_turns, rotations, media_rows=True, max_num_seqs=4
-    )
+    # the image turns come after the texts, each alone in the batch: through its own model,
+    # mlx-vlm's MRoPE where the fused rope is off
+    fused, plain = await run_both(tiny_vlm_dir, batch_and_turns, rotations, max_num_seqs=4)
     assert fused == plain
 
 

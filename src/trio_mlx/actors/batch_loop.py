@@ -23,7 +23,8 @@ The loop, top to bottom, once per step while anything is live:
    does not stall the streams already decoding, more when many wait beside a small batch; with
    `BatchDecoder.group_prefill`, the short prompts of several arrivals in one pass), its
    store-point snapshots, and the sequences whose prefill is complete join the batch — unless a
-   burst is arriving at an idle batch (below).
+   burst is arriving at an idle batch (below). A request with media alone in the batch takes its
+   first token from its prompt's last pass here (`engine.batch_lone_media`), sent at once.
 
 A burst on an idle batch: requests reach the runner one at a time (each read, validated and
 prepared in turn: over HTTP a 16-request burst took tens of ms to arrive), and an idle batch's
@@ -162,7 +163,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             results = batch.prefill(
                 pacer.chunk_tokens(decoding, waiting), pacer.budget_seconds(decoding, waiting)
             )
-            prefilled, grouped, scored = 0, 0, 0
+            prefilled, grouped, scored, firsts = 0, 0, 0, 0
             for pre in results:
                 seq = pre.seq
                 if pre.error is not None:
@@ -173,6 +174,12 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 prefilled += pre.prefilled
                 grouped += pre.grouped
                 scored += pre.scored
+                if pre.first_token:  # a lone request with media: its first token, at once
+                    firsts += 1
+                    events.append(_row_event(seq, pre.tokens, pre.finish, None, pre.logprobs))
+                    counters.generated_tokens += len(pre.tokens)
+                    if pre.finish is not None:
+                        stores.append((seq, "conversation", None))
                 last = len(seq.job.prompt_tokens) - 1
                 for point in pre.store_points:
                     stores.append((seq, "prompt" if point == last else "system", point))
@@ -180,9 +187,10 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 counters.prefill_groups += 1
                 counters.grouped_prefills += grouped
             counters.prefill_group_failures = batch.group_failures
-            if prefilled and not grouped and not scored:
+            if prefilled and not grouped and not scored and not firsts:
                 # (a pass of several prompts is faster per token than a chunk; a scoring chunk's
-                # time is the scoring model's, not the target's)
+                # time is the scoring model's, not the target's; a first token's pass waited
+                # for its token)
                 pacer.observe_chunk(prefilled, time.perf_counter() - chunk_began)
             if prefilled or scored:
                 counters.prefill_chunks += 1
@@ -198,7 +206,8 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             if held_since is not None:
                 holding = holding and time.perf_counter() - held_since < BURST_HOLD_SECONDS
             joined = 0 if holding else batch.join()
-            counters.prompt_tokens += joined
+            if joined:  # each joiner's last prompt token, fed by the next step
+                counters.prompt_tokens += batch.joined_prompt_tokens
         else:
             joined, holding = 0, False
         counters.steps += 1

@@ -19,7 +19,10 @@ offset, no per-layer offset arrays. Measured on the H200 the batch cache's lone 
 0.64-0.74x the serialized route (before its mask was dropped); the GPU serves with batching on by
 default, so one user alone must not pay for it. A second row joining merges the lone cache into a
 batch cache with the joiners' (`merge`); the batch falling back to one row extracts that row's
-cache again (`extract`, one copy of its keys and values).
+cache again (`extract`, one copy of its keys and values). A request with media alone in the batch
+goes further, to its media lane's path (`lone_media`, `batch_lone_media`): its first token from
+its prompt's last pass, read at once, and while it decodes alone, its steps through its own model
+(the language model at its rope delta, as its lane calls it).
 
 With `compiled` (the model's `compiled_step.CompiledDecode`) the batch's forward pass is the
 traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits`); a lone row
@@ -67,6 +70,12 @@ from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_jump import can_jump, jump_row
+from trio_mlx.engine.batch_lone_media import (
+    alone_with_media,
+    first_token_pass,
+    fits_first_pass,
+    lone_step_model,
+)
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
@@ -140,6 +149,10 @@ class BatchDecoder:
     solo_rows = True
     #: a lone greedy row under a grammar feeds its forced runs in one pass (`batch_jump`)
     jump_forward = True
+    #: a sequence with media alone in the batch takes its lane's path (`batch_lone_media`): its
+    #: first token from its prompt's last pass, its steps through its own model. False: it
+    #: prefills, joins and decodes as any row (what `bench.media_lone` measures against)
+    lone_media = True
     #: several arrivals' short prompts prefill in one pass (`batch_prefill`). Off: on the H200
     #: it did not pay where measured (`bench.burst`, docs/benchmarks: few groups formed, since
     #: arrivals reach the runner one tokenization at a time, and each new (rows, tokens) shape
@@ -182,6 +195,9 @@ class BatchDecoder:
         self._queued: QueuedStep | None = None
         self._choice = BatchChoice(vocab_size)
         self.steps = 0
+        #: of the sequences the last `join` let in, how many took their last prompt token as
+        #: their input (the others, their first token: `batch_lone_media`)
+        self.joined_prompt_tokens = 0
         #: group prefill passes that raised (their sequences then prefilled one by one)
         self.group_failures = 0
         self._pad_runs = padded_attention_default()  # jump passes padded to one shape (CUDA)
@@ -213,7 +229,7 @@ class BatchDecoder:
             job,
             self._model,
             vocab_size=self._vocab,
-            plan=PrefillPlan(self._plan.step) if media else self._plan,
+            plan=PrefillPlan(self._plan.step, self._plan.tail) if media else self._plan,
             max_kv_size=self._max_kv_size,
             cache=cache,
             cached_tokens=cached_tokens,
@@ -305,7 +321,10 @@ class BatchDecoder:
                 seq.fed_generated.append(seq.pending)
                 seq.pending = None
         shifted = any(seq.rope_delta for seq in rows)  # rows continuing prompts with media
-        if not shifted and self._compiled is not None and self._compiled.batch_fits(self._cache):
+        own = lone_step_model(rows, solo=self.solo) if self.lone_media else None
+        if own is not None:  # a lone row with media: its lane's forward pass (`batch_lone_media`)
+            logits = own(self._inputs[:, None], cache=self._cache)[:, -1, :]
+        elif not shifted and self._compiled is not None and self._compiled.batch_fits(self._cache):
             logits = self._compiled.batch_logits(self._inputs, self._cache)
         elif shifted:
             deltas = mx.array([seq.rope_delta for seq in rows], dtype=mx.int32)
@@ -475,8 +494,13 @@ class BatchDecoder:
         return results
 
     def _finish_row(self, seq: BatchSequence) -> None:
-        """`seq` has finished: it leaves at the next step, its cache taken out for a snapshot."""
+        """`seq` has finished: it leaves at the next step, its cache taken out for a snapshot (a
+        sequence that ended at its first token before joining leaves `waiting`, its own cache
+        kept)."""
         seq.finished = seq.removed = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return
         seq.cache = self._extract(self.rows.index(seq))
 
     def _extract(self, row: int) -> list[Any]:
@@ -524,7 +548,17 @@ class BatchDecoder:
         """Prefill waiting sequences until `tokens` prompt tokens or `seconds` are spent: with
         `group_prefill`, first the short prompts of several arrivals together in one pass where
         they can (`batch_prefill`); then in admission order a chunk each (`batch_join.prefill`).
-        Ready sequences join only at `join()`."""
+        Ready sequences join only at `join()`. A sequence with media alone in the batch takes
+        its first token from its prompt's last pass, once the rest fits its tail: after its
+        chunk, if that brought it there (`lone_media`, `batch_lone_media`); that pass's result
+        carries the token."""
+        lone = None
+        if self.lone_media and len(self.waiting) == 1:
+            seq = self.waiting[0]
+            if alone_with_media(seq, decoding=self.decoding, waiting=1):
+                lone = seq
+        if lone is not None and fits_first_pass(lone):
+            return [self._first_token(lone)]
         group = self.group_prefill and not self._split
         results, group_failed = batch_join.prefill(
             self._model,
@@ -536,12 +570,35 @@ class BatchDecoder:
             bucketed=self._padded_prefill,
         )
         self.group_failures += group_failed
+        if lone is not None and lone in self.waiting and fits_first_pass(lone):
+            results.append(self._first_token(lone))  # its last prompt token, as in its lane
         return results
+
+    def _first_token(self, seq: BatchSequence) -> PrefillResult:
+        """The pass of `seq`'s prompt's rest with its first token (`batch_lone_media`), the token
+        chosen as a row's and read at once: it becomes the sequence's `pending` input, or the
+        sequence ends there and leaves `waiting` (EOS, `max_tokens`, a failed choice)."""
+        try:
+            logits, n = first_token_pass(seq)
+            token, logprobs = self._choice.first(seq, logits)
+            results = self._read(QueuedStep([seq], token, logprobs), fed=False)
+        except Exception as exc:
+            self.waiting.remove(seq)
+            return PrefillResult(seq, error=f"{type(exc).__name__}: {exc}")
+        (read,) = results
+        if read.error is not None:
+            self.waiting.remove(seq)
+            return PrefillResult(seq, error=read.error)
+        return PrefillResult(
+            seq, n, tokens=read.tokens, finish=read.finish, logprobs=read.logprobs, first_token=True
+        )
 
     def join(self) -> int:
         """Let every ready waiting sequence join the batch (after its prefill's snapshots were
-        taken; `batch_join.joined`); return how many joined."""
+        taken; `batch_join.joined`); return how many joined (`joined_prompt_tokens`: how many
+        of them with their last prompt token as their input)."""
         joiners = [s for s in self.waiting if s.ready]
+        self.joined_prompt_tokens = sum(1 for s in joiners if s.pending is None)
         if not joiners:
             return 0
         self.waiting = [s for s in self.waiting if not s.ready]

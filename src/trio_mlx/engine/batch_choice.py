@@ -56,6 +56,18 @@ class BatchChoice:
         pieces, logprobs = self.pieces(rows, logits, greedy=greedy, spent=spent)
         return mx.concatenate(pieces), logprobs
 
+    def first(self, seq: BatchSequence, logits: Any) -> tuple[Any, dict[int, Any]]:
+        """The token of `seq` alone (not a row of the batch: its first token, from its prompt's
+        last pass, `batch_lone_media`) from its `logits` (shape (1, vocab)), chosen as a row's
+        would be (a plain row: the argmax with its bias; else `row`), and its logprob arrays
+        (keyed 0). The batch's stacked biases are left as they are."""
+        greedy: Any = None
+        if seq.plain:
+            bias = seq.selector.bias if logits.shape[-1] == self._vocab else None
+            greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
+        logprobs: dict[int, Any] = {}
+        return self.row(0, seq, logits, greedy, logprobs), logprobs
+
     def pieces(
         self,
         rows: list[BatchSequence],

@@ -8,7 +8,9 @@ its cache; the runner then takes its prefill's snapshots, and it joins (`joined`
 merged into the batch's (mlx-lm's `BatchKVCache` / `BatchRotatingKVCache`, left-padded: plain
 layers in one new buffer with room to grow, `batch_layout`; others by their classes' `merge` /
 `extend`), and its last prompt token is its input to the next step, whose logits give its first
-token.
+token. (A sequence with media alone in the batch takes its first token from its prompt's last
+pass instead, `batch_lone_media`: it is ready with that token as its `pending` input, which is
+then its input to the next step.)
 
 `prefill` spends a budget of prompt tokens and seconds: with `group`, first the short prompts of
 several arrivals together in one pass where they can (`batch_prefill`); then, in admission order,
@@ -46,6 +48,7 @@ from trio_mlx.engine import batch_layout, batch_mask
 from trio_mlx.engine.batch_prefill import choose_group, prefill_together
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.decode import PrefillPlan
+from trio_mlx.types import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,13 @@ class PrefillResult:
     #: prompt tokens through the scoring model in this chunk (a SpecPrefill row still being
     #: scored, `batch_specprefill`: then `prefilled` is 0, nothing went through the target)
     scored: int = 0
+    #: the pass gave the sequence's first token (a sequence with media alone in the batch,
+    #: `batch_lone_media`): the token, unless it was an EOS, its finish, if it ended there, and
+    #: its logprobs
+    tokens: tuple[int, ...] = ()
+    finish: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    first_token: bool = False
 
 
 def prefill(
@@ -135,7 +145,12 @@ def joined(
     for seq in joiners:
         assert seq.cache is not None
         caches.append(seq.cache)
-    last = mx.array([s.job.prompt_tokens[-1] for s in joiners], dtype=mx.uint32)
+    # each joiner's input: its last prompt token, or its first token where its prompt's last
+    # pass gave it (`batch_lone_media`: its `pending` input)
+    last = mx.array(
+        [s.job.prompt_tokens[-1] if s.pending is None else s.pending for s in joiners],
+        dtype=mx.uint32,
+    )
     for seq in joiners:
         seq.cache = None
     if empty and len(joiners) == 1 and solo_rows:

@@ -66,7 +66,8 @@ class BatchSequence:
         #: model: its rope delta, set once its media are encoded; `multimodal.joining`)
         self.rope_delta = 0
         #: what its prompt's chunks go through instead of the batch's model (a prompt with
-        #: media: its merged embeddings, `multimodal.job.PromptEmbeddingModel`); None: the model
+        #: media: its merged embeddings, `multimodal.job.PromptEmbeddingModel`; also its steps
+        #: while it decodes alone, `batch_lone_media`); None: the model
         self.prefill_model: Any = None
         # a bounded window keeps no leading positions in a batch (`prompt_cache`'s docstring)
         self.cache: list[Any] | None = (
@@ -123,6 +124,17 @@ class BatchSequence:
         """Greedy, no processors, no penalties, no grammar: chosen by the batch's argmax (bias
         allowed)."""
         return not self.processors and self.grammar is None and self.selector.batch_greedy
+
+    @property
+    def tail(self) -> int:
+        """The most prompt tokens its first token's pass may take with the last one (its plan's
+        fused tail: `batch_lone_media`)."""
+        return self._plan.tail
+
+    @property
+    def prompt_array(self) -> Any:
+        """Its prompt's tokens as an array (uint32)."""
+        return self._prompt
 
     @property
     def cached_length(self) -> int:

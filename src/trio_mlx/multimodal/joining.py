@@ -17,7 +17,10 @@ request:
 2. is then admitted to the batch (`BatchDecoder.admit`), its `prefill_model` its merged
    embeddings and its `rope_delta` set: it prefills as any arrival does, a chunk a step under the
    batch's one budget and in admission order (never in a group pass), joins when ready, its last
-   prompt token its first input, and decodes in the batch's one forward pass from there.
+   prompt token its first input, and decodes in the batch's one forward pass from there. Alone
+   in the batch it takes its lane's path instead (`engine.batch_lone_media`): its first token
+   from its prompt's last pass, its steps through its `prefill_model` while nothing else
+   decodes, so that one user alone pays nothing for joining.
 
 A language model without MRoPE (LLaVA's llama, and any other whose module has no
 `_rope_deltas`) never had the second obstacle: it places every token, the prompt's merged
