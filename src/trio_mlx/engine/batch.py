@@ -7,7 +7,8 @@ runner thread only.
   but the last is in its cache (a long prompt under SpecPrefill, `add_specprefill`: scored, then
   its kept tokens prefilled at their true positions, `batch_specprefill`);
 - `rows`: the decode batch, on the batch's cache (mlx-lm's `BatchKVCache` /
-  `BatchRotatingKVCache`, left-padded; rows leave it by the cache classes' `filter` / `extract`).
+  `BatchRotatingKVCache`, left-padded; rows leave it by the cache classes' `filter` / `extract`,
+  `batch_leave`).
   Ready sequences join it (`join`): their caches merged into the batch's, their last prompt token
   their input to the next step, whose logits give their first token. How sequences prefill
   and join: `batch_join`.
@@ -29,7 +30,7 @@ traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits
 then stays in the batch cache, which that step takes.
 
 `decode()` is one step for every row: rows removed since the last step (finished, aborted,
-failed) leave the batch (`filter`); the next step's forward pass is queued on the device
+failed) leave the batch (`batch_leave`); the next step's forward pass is queued on the device
 (`mx.async_eval`); then the previous step's tokens are read and returned, so the device computes
 step k while the host reads step k - 1. Where that does not pay (`pipelined` False: MLX's CPU
 backend), each step is read as soon as it is queued. The step, its read and its token
@@ -56,11 +57,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_join, batch_layout, batch_mask
+from trio_mlx.engine import batch_join
 from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_jump import can_jump, jump_row
+from trio_mlx.engine.batch_leave import failed, left, row_cache
 from trio_mlx.engine.batch_lone_media import (
     alone_with_media,
     first_token_pass,
@@ -370,6 +372,8 @@ class BatchDecoder:
         results.append(RowResult(seq, out.tokens, out.finish, out.logprobs))
         return results
 
+    # ---- leaving: finished, removed, failed rows (`batch_leave`) ------------------------------
+
     def _finish_row(self, seq: BatchSequence) -> None:
         """`seq` has finished: it leaves at the next step, its cache taken out for a snapshot (a
         sequence that ended at its first token before joining leaves `waiting`, its own cache
@@ -382,42 +386,24 @@ class BatchDecoder:
 
     def _extract(self, row: int) -> list[Any]:
         """Row `row`'s cache: the lone row's own (no copy) or a copy out of the batch cache."""
-        if self.solo:
-            return self._cache
-        seq = self.rows[row]
-        return batch_layout.extract_row(self._cache, row, seq.cached_length, seq.position_shift)
+        return row_cache(self.rows, self._cache, row, solo=self.solo)
 
     def _drop_removed(self) -> None:
-        keep = [i for i, seq in enumerate(self.rows) if not seq.removed]
-        if len(keep) == len(self.rows):
+        """Removed rows leave the batch before its next step (`batch_leave.left`)."""
+        if not any(seq.removed for seq in self.rows):
             return
         self._choice.rows_changed()
-        if not keep:
-            self.rows, self._cache, self._inputs, self.solo = [], [], None, False
-            return
-        if len(keep) == 1 and self._solo_rows:
-            # One row left: it goes on with a cache of its own (module docstring).
-            self._cache = self._extract(keep[0])
-            self._inputs = self._inputs[keep[0] : keep[0] + 1]
-            self.rows = [self.rows[keep[0]]]
-            self.solo = True
-            return
-        aligned = batch_mask.aligned_after_filter(self._cache, len(keep))
-        lengths = [self.rows[i].cached_length for i in keep]
-        batch_layout.filter_rows(self._cache, keep, lengths)
-        batch_mask.adopt(self._cache, aligned)
-        self._inputs = self._inputs[mx.array(keep)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows, self._cache, self._inputs, self.solo = left(
+            self.rows, self._cache, self._inputs, solo=self.solo, solo_rows=self._solo_rows
+        )
 
     def _fail_batch(self, exc: Exception) -> list[RowResult]:
-        error = f"{type(exc).__name__}: {exc}"
-        failed = [s for s in self.rows if not s.removed]
-        for seq in failed:
-            seq.removed = True
+        """Fail every live row (`batch_leave.failed`); the batch starts again empty."""
+        results = failed(self.rows, exc)
         self.rows, self._cache, self._inputs, self._queued = [], [], None, None
         self.solo = False
         self._choice.rows_changed()
-        return [RowResult(seq, finish="error", error=error) for seq in failed]
+        return results
 
     # ---- joining: prefill, then join (`batch_join`) ------------------------------------------
 

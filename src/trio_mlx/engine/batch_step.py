@@ -3,9 +3,9 @@ Runs on the runner thread only, for `BatchDecoder.decode` (and the lone row's st
 `speculate`, and a lone request with media's first token, which read a step the same way).
 
 `BatchDecoder.decode()` is one step for every row: rows removed since the last step (finished,
-aborted, failed) leave the batch; the next step's forward pass is queued on the device
-(`feed`, `forward`, `queue_tokens`: `mx.async_eval`); then the previous step's tokens are read
-(`read_step`) and returned. So the device computes step k while the host reads step k - 1 and
+aborted, failed) leave the batch (`batch_leave`); the next step's forward pass is queued on the
+device (`feed`, `forward`, `queue_tokens`: `mx.async_eval`); then the previous step's tokens are
+read (`read_step`) and returned. So the device computes step k while the host reads step k - 1 and
 builds step k + 1 (the pipelining of mlx-lm's `GenerationBatch`); a finished row costs one wasted
 row in the step already queued (`spent_rows`). Where that does not pay (`pipelining_pays` False:
 MLX's CPU backend, whose `async_eval` computes most of a step before it returns, so a step queued
