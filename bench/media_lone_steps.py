@@ -212,7 +212,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     import mlx.core as mx
     from bench.media_lone import build
 
-    from trio_mlx.engine.batch import pipelining_pays
+    from trio_mlx.engine.batch_step import pipelining_pays
     from trio_mlx.engine.decode import PrefillPlan
     from trio_mlx.engine.loading import load_model
     from trio_mlx.multimodal.text_rope import TextRoPE

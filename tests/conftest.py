@@ -48,7 +48,7 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(params=["pipelined", "read-at-once"])
 def batch_pipeline(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both ways the batched route steps (`engine.batch.pipelining_pays`): the next step queued
+    """Both ways the batched route steps (`engine.batch_step.pipelining_pays`): the next step queued
     before the last is read (a GPU's), or each step read as soon as it is queued (the CPU's).
     Tests that take this fixture run in each; True where pipelined."""
     monkeypatch.setenv("TRIO_MLX_BATCH_PIPELINE", "on" if request.param == "pipelined" else "off")

@@ -7,7 +7,8 @@ runner thread only.
   but the last is in its cache (a long prompt under SpecPrefill, `add_specprefill`: scored, then
   its kept tokens prefilled at their true positions, `batch_specprefill`);
 - `rows`: the decode batch, on the batch's cache (mlx-lm's `BatchKVCache` /
-  `BatchRotatingKVCache`, left-padded; rows leave it by the cache classes' `filter` / `extract`).
+  `BatchRotatingKVCache`, left-padded; rows leave it by the cache classes' `filter` / `extract`,
+  `batch_leave`).
   Ready sequences join it (`join`): their caches merged into the batch's, their last prompt token
   their input to the next step, whose logits give their first token. How sequences prefill
   and join: `batch_join`.
@@ -29,14 +30,11 @@ traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits
 then stays in the batch cache, which that step takes.
 
 `decode()` is one step for every row: rows removed since the last step (finished, aborted,
-failed) leave the batch (`filter`); the next step's forward pass is queued on the device
-(`mx.async_eval`); then the previous step's tokens are read and returned. So the device computes
-step k while the host reads step k - 1 and builds step k + 1 (the pipelining of mlx-lm's
-`GenerationBatch`); a finished row costs one wasted row in the step already queued. Where that
-does not pay (`pipelined` False: MLX's CPU backend, whose `async_eval` computes most of a step
-before it returns, so a step queued before the last one is read delays every token by a step
-and computes a wasted step for every finish), each step is read as soon as it is queued, its
-tokens the rows' `pending` inputs of the next.
+failed) leave the batch (`batch_leave`); the next step's forward pass is queued on the device
+(`mx.async_eval`); then the previous step's tokens are read and returned, so the device computes
+step k while the host reads step k - 1. Where that does not pay (`pipelined` False: MLX's CPU
+backend), each step is read as soon as it is queued. The step, its read and its token
+accounting: `batch_step`.
 
 Per sequence, as on the serialized route (`decode.ActiveSequence`): its own token choice
 (`batch_choice`: its sampling, processors, logit bias and logprobs; plain greedy rows by one
@@ -48,11 +46,6 @@ the previous step is read, their masks computed while the device runs the step
 (`batch_constrained`); a batch with one row may take speculative steps instead of `decode`
 (`batch_speculate`).
 
-Token accounting: at every call boundary a row's cache holds `fed_tokens()`: the prompt tokens
-processed and the generated tokens read so far (each token read has already been fed to the step
-queued before it was read, so an EOS and the last token of a `max_tokens` finish are fed, which
-differs from the serialized route: the snapshots' keys say exactly what they hold either way).
-
 Errors: a prefill chunk that raises fails that sequence only; a processor or sampler that raises
 fails its row only; the batched forward pass raising (or its evaluation) fails every row in it,
 the only requests it can be attributed to, and the batch starts again empty.
@@ -60,16 +53,16 @@ the only requests it can be attributed to, and the batch starts again empty.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_join, batch_layout, batch_mask
+from trio_mlx.engine import batch_join
 from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_jump import can_jump, jump_row
+from trio_mlx.engine.batch_leave import failed, left, row_cache
 from trio_mlx.engine.batch_lone_media import (
     alone_with_media,
     first_token_pass,
@@ -79,66 +72,24 @@ from trio_mlx.engine.batch_lone_media import (
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
-from trio_mlx.engine.compiled_step import CompiledDecode
-from trio_mlx.engine.decode import (
-    GenerationJob,
-    PendingToken,
-    PrefillPlan,
-    read_logprobs,
+from trio_mlx.engine.batch_step import (
+    QueuedStep,
+    RowResult,
+    feed,
+    forward,
+    pipelining_pays,
+    queue_tokens,
+    read_step,
+    spent_rows,
 )
+from trio_mlx.engine.compiled_step import CompiledDecode
+from trio_mlx.engine.decode import GenerationJob, PrefillPlan
 from trio_mlx.engine.padded_attention import padded_attention_default
 from trio_mlx.engine.prefill_shapes import padded_prefill_default
 from trio_mlx.engine.specprefill import SpecPrefillCounters, SpecPrefillSettings
 from trio_mlx.engine.speculative import Speculator
-from trio_mlx.structured.matcher import GrammarViolation
-from trio_mlx.types import TokenLogprob
 
-
-@dataclass(frozen=True)
-class RowResult:
-    """What one step produced for one sequence: a token (none on EOS or failure), a finish."""
-
-    seq: BatchSequence
-    tokens: tuple[int, ...] = ()
-    finish: str | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()
-    error: str | None = None
-
-
-class QueuedStep:
-    """A queued decode step: its rows (in row order) and their lazy outputs. While constrained
-    rows wait for their masks, `tokens` is None and `pieces` holds every other row's token
-    (None for the constrained ones), `logits` the step's logits."""
-
-    __slots__ = ("logits", "logprobs", "pieces", "rows", "tokens")
-
-    def __init__(
-        self,
-        rows: list[BatchSequence],
-        tokens: Any,
-        logprobs: dict[int, PendingToken],
-        *,
-        logits: Any = None,
-        pieces: list[Any] | None = None,
-    ) -> None:
-        self.rows = rows
-        self.tokens = tokens
-        self.logprobs = logprobs
-        self.logits = logits
-        self.pieces = pieces
-
-
-def pipelining_pays() -> bool:
-    """Whether queuing the next step before reading the last one overlaps anything: on a GPU
-    the device computes while the host builds; MLX's CPU backend computes a step inside
-    `async_eval` (SmolLM2-135M: ~97 of its ~124 ms there), so queuing first only makes every
-    token wait for the next step. `TRIO_MLX_BATCH_PIPELINE` `on` / `off` overrides."""
-    import os
-
-    forced = os.environ.get("TRIO_MLX_BATCH_PIPELINE", "").strip().lower()
-    if forced in ("on", "off"):
-        return forced == "on"
-    return bool(mx.default_device() == mx.gpu)
+__all__ = ["BatchDecoder", "RowResult"]
 
 
 class BatchDecoder:
@@ -313,100 +264,28 @@ class BatchDecoder:
         return results
 
     def _queue_step(self) -> QueuedStep:
+        """Queue the next step's forward pass and its choice of tokens (`batch_step`)."""
         rows = list(self.rows)
-        spent = self._spent(rows)
-        for seq in rows:
-            seq.prompt_done = len(seq.job.prompt_tokens)
-            if seq.pending is not None:
-                seq.fed_generated.append(seq.pending)
-                seq.pending = None
-        shifted = any(seq.rope_delta for seq in rows)  # rows continuing prompts with media
+        spent = spent_rows(rows, self._queued)
+        feed(rows)
         own = lone_step_model(rows, solo=self.solo) if self.lone_media else None
-        if own is not None:  # a lone row with media: its lane's forward pass (`batch_lone_media`)
-            logits = own(self._inputs[:, None], cache=self._cache)[:, -1, :]
-        elif not shifted and self._compiled is not None and self._compiled.batch_fits(self._cache):
-            logits = self._compiled.batch_logits(self._inputs, self._cache)
-        elif shifted:
-            deltas = mx.array([seq.rope_delta for seq in rows], dtype=mx.int32)
-            logits = self._model(self._inputs[:, None], cache=self._cache, row_deltas=deltas)
-            logits = logits[:, -1, :]
-        else:
-            logits = self._model(self._inputs[:, None], cache=self._cache)[:, -1, :]
+        logits = forward(
+            self._model, rows, self._inputs, self._cache, own=own, compiled=self._compiled
+        )
         self.steps += 1
         if self.steps % 256 == 0:
             mx.clear_cache()
-        if any(seq.grammar is not None for seq in rows):
-            pieces, logprobs = self._choice.pieces(rows, logits, skip_constrained=True, spent=spent)
-            ready = [p for p in pieces if p is not None]
-            mx.async_eval(logits, *ready, *(a for p in logprobs.values() for a in p.arrays()))
-            return QueuedStep(rows, None, logprobs, logits=logits, pieces=pieces)
-        tokens, logprobs = self._choice.tokens(rows, logits, spent)
-        self._inputs = tokens
-        mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
-        return QueuedStep(rows, tokens, logprobs)
-
-    def _spent(self, rows: list[BatchSequence]) -> frozenset[int]:
-        """The rows (indices) whose token in the step still in flight is their last by
-        `max_tokens`: the step being queued is wasted on them (it is never read), so their
-        processors and selector must not see it (`batch_choice`). Empty unless pipelined."""
-        if self._queued is None:
-            return frozenset()
-        in_flight = {id(seq) for seq in self._queued.rows}
-        return frozenset(
-            i
-            for i, seq in enumerate(rows)
-            if not seq.plain
-            and id(seq) in in_flight
-            and seq.generated + 1 >= seq.job.params.max_tokens
-        )
+        queued = queue_tokens(rows, logits, self._choice, spent)
+        if queued.tokens is not None:
+            self._inputs = queued.tokens
+        return queued
 
     def _read(self, queued: QueuedStep, *, fed: bool = True) -> list[RowResult]:
-        """The tokens of a queued step; `fed`: the step after it is queued already (so they
-        are in the cache), else each row's token is its `pending` input."""
-        mx.eval(queued.tokens)
-        values = queued.tokens.tolist()
-        results: list[RowResult] = []
-        for i, seq in enumerate(queued.rows):
-            if seq.removed:
-                continue  # aborted since: nothing more to say
-            token = int(values[i])
-            if fed:
-                seq.fed_generated.append(token)
-            else:
-                seq.pending = token
-            if seq.failure is not None:
-                seq.removed = True
-                results.append(RowResult(seq, finish="error", error=seq.failure))
-                continue
-            pending = queued.logprobs.get(i)
-            logprobs = (read_logprobs(token, pending),) if pending is not None else ()
-            if seq.processors:
-                seq.processors = [p for p in seq.processors if not getattr(p, "is_retired", False)]
-                if not seq.processors:
-                    self._choice.rows_changed()
-            finish: str | None = None
-            tokens: tuple[int, ...] = ()
-            if token in self._eos:
-                finish = "stop"
-                logprobs = ()
-            else:
-                if seq.grammar is not None:
-                    try:
-                        seq.grammar.consume(token)
-                    except GrammarViolation as exc:
-                        seq.removed = True
-                        results.append(RowResult(seq, finish="error", error=str(exc)))
-                        continue
-                seq.generated += 1
-                tokens = (token,)
-                if seq.grammar is not None and seq.grammar.done:
-                    finish = "stop"
-                elif seq.generated >= seq.job.params.max_tokens:
-                    finish = "length"
-            if finish is not None:
-                self._finish_row(seq)
-            results.append(RowResult(seq, tokens, finish, logprobs))
-        return results
+        """The tokens of a queued step (`batch_step.read_step`); `fed`: the step after it is
+        queued already (so they are in the cache), else each row's token is its `pending` input."""
+        return read_step(
+            queued, eos=self._eos, choice=self._choice, finish_row=self._finish_row, fed=fed
+        )
 
     def _read_for_lone_row(self) -> tuple[list[RowResult], BatchSequence | None]:
         """Read the step already queued, if any, without queuing another (a row's token read
@@ -493,6 +372,8 @@ class BatchDecoder:
         results.append(RowResult(seq, out.tokens, out.finish, out.logprobs))
         return results
 
+    # ---- leaving: finished, removed, failed rows (`batch_leave`) ------------------------------
+
     def _finish_row(self, seq: BatchSequence) -> None:
         """`seq` has finished: it leaves at the next step, its cache taken out for a snapshot (a
         sequence that ended at its first token before joining leaves `waiting`, its own cache
@@ -505,42 +386,24 @@ class BatchDecoder:
 
     def _extract(self, row: int) -> list[Any]:
         """Row `row`'s cache: the lone row's own (no copy) or a copy out of the batch cache."""
-        if self.solo:
-            return self._cache
-        seq = self.rows[row]
-        return batch_layout.extract_row(self._cache, row, seq.cached_length, seq.position_shift)
+        return row_cache(self.rows, self._cache, row, solo=self.solo)
 
     def _drop_removed(self) -> None:
-        keep = [i for i, seq in enumerate(self.rows) if not seq.removed]
-        if len(keep) == len(self.rows):
+        """Removed rows leave the batch before its next step (`batch_leave.left`)."""
+        if not any(seq.removed for seq in self.rows):
             return
         self._choice.rows_changed()
-        if not keep:
-            self.rows, self._cache, self._inputs, self.solo = [], [], None, False
-            return
-        if len(keep) == 1 and self._solo_rows:
-            # One row left: it goes on with a cache of its own (module docstring).
-            self._cache = self._extract(keep[0])
-            self._inputs = self._inputs[keep[0] : keep[0] + 1]
-            self.rows = [self.rows[keep[0]]]
-            self.solo = True
-            return
-        aligned = batch_mask.aligned_after_filter(self._cache, len(keep))
-        lengths = [self.rows[i].cached_length for i in keep]
-        batch_layout.filter_rows(self._cache, keep, lengths)
-        batch_mask.adopt(self._cache, aligned)
-        self._inputs = self._inputs[mx.array(keep)]
-        self.rows = [self.rows[i] for i in keep]
+        self.rows, self._cache, self._inputs, self.solo = left(
+            self.rows, self._cache, self._inputs, solo=self.solo, solo_rows=self._solo_rows
+        )
 
     def _fail_batch(self, exc: Exception) -> list[RowResult]:
-        error = f"{type(exc).__name__}: {exc}"
-        failed = [s for s in self.rows if not s.removed]
-        for seq in failed:
-            seq.removed = True
+        """Fail every live row (`batch_leave.failed`); the batch starts again empty."""
+        results = failed(self.rows, exc)
         self.rows, self._cache, self._inputs, self._queued = [], [], None, None
         self.solo = False
         self._choice.rows_changed()
-        return [RowResult(seq, finish="error", error=error) for seq in failed]
+        return results
 
     # ---- joining: prefill, then join (`batch_join`) ------------------------------------------
 

@@ -9,7 +9,7 @@ constrained row's matcher with its token), then calls `choose_constrained`: the 
 rows' masks are computed on the CPU (together, in parallel, while the device runs the forward
 pass) and their masked choices, and so the next step's inputs, are queued behind it.
 Unconstrained rows never wait for a mask; a constrained row's token that completes its grammar
-ends it (`stop`) at once (`BatchDecoder._read`).
+ends it (`stop`) at once (`batch_step.read_step`).
 
 The masked choice costs as little dispatch as it can (`structured/masked_choice`): a greedy row
 whose mask allows a single token takes it with no device work; other greedy rows share one
@@ -34,8 +34,8 @@ from trio_mlx.structured import masked_choice
 from trio_mlx.structured.matcher import GrammarViolation, allowed_words_of
 
 if TYPE_CHECKING:
-    from trio_mlx.engine.batch import QueuedStep
     from trio_mlx.engine.batch_sequence import BatchSequence
+    from trio_mlx.engine.batch_step import QueuedStep
 
 
 class RowChooser(Protocol):
