@@ -216,7 +216,12 @@ class ScriptedReplies(_Wrapped):
     the server must run with `max_num_seqs=1`, `fused_tail_tokens=1`, no prefix cache and
     one-chunk prefills, so that this pass holds the whole prompt but its last token (which the
     next pass feeds, giving the first completion token). Passes before `armed` is set (the
-    engine's load-time probes) are not requests."""
+    engine's load-time probes) are not requests.
+
+    Under an output grammar (a forced tool call, a JSON schema) the grammar's mask wins: a
+    script token it refuses is not taken, the reply goes on with the model's own choices (the
+    random tiny model's, which need not close the grammar within `max_tokens`), and the script
+    is out of step from there. Script such a request in the grammar's own format."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner)

@@ -27,6 +27,8 @@ from tool_fixtures import TOOLS as CHAT_TOOLS
 TOOLS: Any = [anthropic_tool(t) for t in CHAT_TOOLS]
 WEATHER = TOOLS[0]
 TOOL_PROMPT = "You can call functions to answer."
+#: `CALL` as the forced grammar writes a single call (`tool_choice` `any` without parallel calls).
+FORCED_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 
 @pytest.fixture
@@ -206,7 +208,11 @@ async def test_tool_choice_any_and_tool_ask_for_a_call_and_none_offers_nothing(
 
 async def test_disable_parallel_tool_use_keeps_one_call(scripted: Scripted) -> None:
     both = CALL + "\n" + TIME_CALL
-    scripted.will_reply(both, both, both)
+    # Forced (`any`), the reply is the forced grammar's JSON (one call object: no parallel
+    # calls), which refuses the Hermes markup: scripted as that JSON, so that what the reply
+    # says is the script's, not the random model's own choices (which, unscripted, need not
+    # close the call within `max_tokens`).
+    scripted.will_reply(both, both, FORCED_CALL)
     ask: Any = {"model": "tiny", "max_tokens": 96, "messages": ASK, "tools": TOOLS}
     async with scripted.anthropic_client() as claude:
         parallel = await claude.messages.create(**ask)
@@ -223,9 +229,11 @@ async def test_disable_parallel_tool_use_keeps_one_call(scripted: Scripted) -> N
     assert [(b.type, getattr(b, "name", None)) for b in single.content] == [
         ("tool_use", "get_weather")
     ]
-    # Forced (`any`): one call of one of the tools, whichever way forcing is done.
-    assert [b.type for b in streamed.content] == ["tool_use"]
-    assert getattr(streamed.content[0], "name", None) in ("get_weather", "get_time")
+    # Forced (`any`): one call, the one scripted.
+    assert [(b.type, getattr(b, "name", None)) for b in streamed.content] == [
+        ("tool_use", "get_weather")
+    ]
+    assert getattr(streamed.content[0], "input", None) == {"city": "Paris"}
     for message in (single, streamed):
         assert message.stop_reason == "tool_use"
 
