@@ -104,6 +104,15 @@ def from_engine_error(exc: TrioMLXError) -> APIError:
     return APIError(500, str(exc), type=SERVER_ERROR, code=exc.code)
 
 
+def required_text(fields: Mapping[str, Any], key: str, message: str, param: str) -> str:
+    """`fields[key]` when it is a non-empty string; else a 400 `missing_required_parameter`
+    naming `param`, saying `message`."""
+    value = fields.get(key)
+    if not isinstance(value, str) or not value:
+        raise APIError(400, message, param=param, code="missing_required_parameter")
+    return value
+
+
 def parse_json(raw: str | bytes, what: str) -> Any:
     """`raw` read as JSON; malformed (or nested too deeply for Python) it is a 400 naming
     `what` ("body", "message")."""

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trio_mlx.errors import InvalidRequest
-from trio_mlx.http.errors import APIError
+from trio_mlx.http.errors import APIError, required_text
 from trio_mlx.http.objects import ChatDelta, FunctionCallDelta, ToolCallDelta
 from trio_mlx.structured.tool_choice import forced_tool_calls_format as structured_forced_format
 from trio_mlx.tools import (
@@ -282,14 +282,9 @@ def _calls(calls: Any, param: str) -> list[ToolCall]:
                 param=f"{where}.function",
                 code="missing_required_parameter",
             )
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise APIError(
-                400,
-                "a tool call needs function.name",
-                param=f"{where}.function.name",
-                code="missing_required_parameter",
-            )
+        name = required_text(
+            function, "name", "a tool call needs function.name", f"{where}.function.name"
+        )
         arguments = function.get("arguments", "{}")
         if not isinstance(arguments, str):
             raise APIError(

@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 from trio_mlx.http.anthropic.requests import IMAGE_MEDIA_TYPES, ContentBlock
-from trio_mlx.http.errors import APIError
+from trio_mlx.http.errors import APIError, required_text
 
 
 def required(value: str | None, where: str, name: str) -> str:
@@ -205,25 +205,15 @@ def image_url(source: Any, where: str) -> str:
                 param=f"{param}.media_type",
                 code="invalid_value",
             )
-        data = source.get("data")
-        if not isinstance(data, str) or not data:
-            raise APIError(
-                400,
-                "a base64 source needs `data` (the image, base64-encoded)",
-                param=f"{param}.data",
-                code="missing_required_parameter",
-            )
+        data = required_text(
+            source,
+            "data",
+            "a base64 source needs `data` (the image, base64-encoded)",
+            f"{param}.data",
+        )
         return f"data:{media_type};base64,{data}"
     if kind == "url":
-        url = source.get("url")
-        if not isinstance(url, str) or not url:
-            raise APIError(
-                400,
-                "a url source needs `url`",
-                param=f"{param}.url",
-                code="missing_required_parameter",
-            )
-        return url
+        return required_text(source, "url", "a url source needs `url`", f"{param}.url")
     raise APIError(
         400,
         "an image source's type must be 'base64' or 'url'",
