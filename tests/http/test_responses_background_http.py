@@ -18,6 +18,7 @@ import trio
 from openai.types.responses import Response
 
 from idle import wait_until_idle
+from model_wrappers import FaultyModel, wrapping_loader
 from servers import running_server
 from trio_mlx.http.server import RunningServer, serve_http
 from trio_mlx.http.state import ServerSettings
@@ -244,6 +245,28 @@ async def test_deleting_a_running_background_response_cancels_it(
         await client.responses.retrieve(started.id)
 
 
+async def test_a_generation_error_ends_it_failed(tiny_model_dir: Path) -> None:
+    loader, made = wrapping_loader(lambda inner: FaultyModel(inner, poison=-1))
+    async with (
+        running_server(tiny_model_dir, loader=loader, served_model_names=("tiny",)) as srv,
+        openai.AsyncOpenAI(
+            base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30
+        ) as client,
+    ):
+        started = await client.responses.create(**LONG, background=True)
+        await retrieved_when(client, started.id, writing)
+        made[0].fail_at_position = 0  # the next forward pass fails
+        failed = await retrieved_when(client, started.id, lambda r: r.status in ENDED)
+        made[0].fail_at_position = None
+        assert failed.status == "failed" and failed.error is not None
+        assert failed.error.code == "generation_error"
+        assert failed.output_text  # what it wrote before the failure
+        assert srv.state.engine is not None
+        await wait_until_idle(srv.state.engine)
+        after = await client.responses.create(**GREEDY, max_output_tokens=4)
+        assert after.status in ("completed", "incomplete")
+
+
 async def test_shutdown_ends_background_responses(tiny_model_dir: Path) -> None:
     settings = ServerSettings(
         model=tiny_model_dir, port=0, served_model_names=("tiny",), shutdown_timeout=0.2
@@ -277,3 +300,19 @@ async def test_a_server_that_keeps_nothing_refuses_background(tiny_model_dir: Pa
             with pytest.raises(openai.BadRequestError) as refused:
                 await client.responses.create(**GREEDY, background=True)
     assert refused.value.body["param"] == "background"  # type: ignore[index]
+
+
+async def test_the_websocket_mode_refuses_background(server: RunningServer) -> None:
+    def send_background() -> dict[str, Any]:
+        sync = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        with sync.responses.connect() as connection:
+            connection.send(
+                {"type": "response.create", **GREEDY, "background": True}  # type: ignore[typeddict-item]
+            )
+            for event in connection:
+                return event.to_dict()
+        raise AssertionError("the connection ended without an event")
+
+    event = await trio.to_thread.run_sync(send_background)
+    assert event["type"] == "error" and event["status"] == 400
+    assert event["error"]["param"] == "background"

@@ -50,9 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trio_mlx.http")
 
-#: The statuses of a response that has not ended.
-RUNNING = ("queued", "in_progress")
-
 
 def check_background(state: ServerState) -> None:
     """A background response is refused (400) where nothing would keep it once it ended."""
@@ -102,9 +99,12 @@ class BackgroundResponse:
         self._wake()
 
     def end(self, status: str) -> None:
-        """Its task ended without the response's last event: `status` (cancelled, failed)."""
+        """Its task has ended; without the response's last event, the response ends at
+        `status` (cancelled, failed) with the output written so far."""
         if self.ended is None:
             self.ended = self.events.partial(status).dump()
+        self.done.set()
+        self._wake()
 
     def _wake(self) -> None:
         self._changed.set()
@@ -192,8 +192,6 @@ class BackgroundResponses:
                 self._done[entry.id] = entry
                 while len(self._done) > self.keep:
                     self._done.popitem(last=False)
-            entry.done.set()
-            entry._wake()
             self._ended()
             assert entry.ended is not None
             log.info("background response %s ended %s", entry.id, entry.ended["status"])
