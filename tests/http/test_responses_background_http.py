@@ -98,7 +98,9 @@ async def test_cancel_ends_the_generation_and_frees_the_engine(
     before = engine.get_stats()["runner"]["aborted"]
     started = await client.responses.create(**LONG, background=True)
     running = await retrieved_when(client, started.id, writing)
+    assert server.state.background.statistics()["running"] == 1
     cancelled = await client.responses.cancel(started.id)
+    assert server.state.background.statistics()["running"] == 0
     assert cancelled.status == "cancelled" and cancelled.id == started.id
     # The output written before the cancel is kept, cut short.
     assert running.output_text and cancelled.output_text

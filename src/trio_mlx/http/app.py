@@ -302,6 +302,7 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
             "model": model,
             "names": state.model_names,
             "response_store": dataclasses.asdict(state.responses.statistics()),
+            "background_responses": state.background.statistics(),
         }
         return _json(stats)
 

@@ -196,6 +196,10 @@ class BackgroundResponses:
             assert entry.ended is not None
             log.info("background response %s ended %s", entry.id, entry.ended["status"])
 
+    def statistics(self) -> dict[str, int]:
+        """How many run now, how many ended ones are kept (`/v1/status`)."""
+        return {"running": len(self._running), "ended": len(self._done), "max_ended": self.keep}
+
     def get(self, response_id: str) -> BackgroundResponse | None:
         return self._running.get(response_id) or self._done.get(response_id)
 
