@@ -280,7 +280,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_RESPONSES,
         metavar="N",
         help="Responses API responses (store: true) kept in memory for previous_response_id "
-        "and GET /v1/responses/{id}, the oldest evicted first; 0 keeps none",
+        "and GET /v1/responses/{id}, the oldest evicted first (and as many ended background "
+        "responses besides); 0 keeps none and refuses background",
     )
     parser.add_argument(
         "--response-store-mb",

@@ -19,9 +19,10 @@ must pass these checks:
 - `unsupported_method`, `allow_header_conformance`: other methods get 405 with `Allow`;
 - `missing_required_header`, `use_after_free`, `ensure_resource_availability`, `ignored_auth`:
   part of `--checks all`; they pass without anything to find (no auth; the document has no
-  links from `POST /v1/responses` to the stored-response routes, so schemathesis asks those for
-  ids it made up and gets their documented 404: tests/http/test_responses_state_http.py covers
-  them, the SDK's calls included).
+  links from `POST /v1/responses` to the stored-response routes, cancel included, so
+  schemathesis asks those for ids it made up and gets their documented 404:
+  tests/http/test_responses_state_http.py and test_responses_background_http.py cover them,
+  the SDK's calls included).
 
 `GET /v1/responses` is the WebSocket upgrade: an HTTP client without the handshake gets its
 documented 405, so `positive_data_acceptance_here` is not applied to it (the WebSocket mode has
@@ -141,7 +142,7 @@ def test_schemathesis_against_the_published_schema(
     for operation, rates in sorted(summary["valid_rates"].items()):
         counts = {name: (phase["accepted"], phase["rejected"]) for name, phase in rates.items()}
         print(f"  {operation}: (accepted, rejected) {counts}")
-    assert summary["operations"]["tested"] == summary["operations"]["total"] == 17
+    assert summary["operations"]["tested"] == summary["operations"]["total"] == 18
     assert cases["with_failures"] == 0 and cases["errored"] == 0 and not summary["errors"]
     # The run reached the model (requests that were served), not only refusals.
     for route in (

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import trio
@@ -50,17 +50,18 @@ from trio_mlx.http.errors import (
 from trio_mlx.http.generation import SSE_HEADERS, joined, sse_frame
 from trio_mlx.http.in_flight import CountInFlight, NoteArrivals
 from trio_mlx.http.metrics import Metrics
-from trio_mlx.http.objects import Health, ModelCard, ModelList
+from trio_mlx.http.objects import Health, ModelCard, ModelList, ResponseDeleted
 from trio_mlx.http.openapi import openapi_document
 from trio_mlx.http.ownership import RequestOwner
 from trio_mlx.http.page import add_page_routes
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
+from trio_mlx.http.responses.background import check_background
 from trio_mlx.http.responses.items import delete_response, input_items_page, stored_response
 from trio_mlx.http.responses.prompt import count_input_tokens
 from trio_mlx.http.responses.requests import InputTokensRequest, ResponsesRequest
 from trio_mlx.http.responses.run import start_response
 from trio_mlx.http.responses.socket import serve_responses_socket
-from trio_mlx.http.responses.stream import response_events
+from trio_mlx.http.responses.stream import ResponseEvents, response_events
 from trio_mlx.http.state import ServerState
 
 log = logging.getLogger("trio_mlx.http")
@@ -147,6 +148,13 @@ def _json(
     )
 
 
+async def _frames(events: AsyncGenerator[list[tuple[str, str]]]) -> AsyncIterator[bytes]:
+    """A Responses event stream's SSE body: each batch of events ready together, one write."""
+    async with contextlib.aclosing(events) as batches:
+        async for batch in batches:
+            yield joined([sse_frame(type, data) for type, data in batch])
+
+
 def _event_stream(chunks: AsyncIterator[bytes]) -> Response:
     response = Response(chunks, content_type="text/event-stream", headers=SSE_HEADERS)
     response.timeout = None
@@ -210,23 +218,39 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
     @app.post("/v1/responses")
     async def responses_route() -> Response:
         body = await read_body(ResponsesRequest)
+        if body.background:
+            check_background(state)
         run = await start_response(state, body, record_of(request.scope))
+        if body.background:
+            entry = state.background.start(run, ResponseEvents(run), streamed=bool(body.stream))
+            return (
+                _event_stream(_frames(entry.follow(-1))) if body.stream else _json(entry.response)
+            )
         if not body.stream:
             return _json(await run.final())
-
-        async def frames() -> AsyncIterator[bytes]:
-            async with contextlib.aclosing(response_events(run)) as batches:
-                async for batch in batches:  # the events ready together: one write
-                    yield joined([sse_frame(type, data) for type, data in batch])
-
-        return _event_stream(frames())
+        return _event_stream(_frames(response_events(run)))
 
     @app.get("/v1/responses/<response_id:response_id>")
     async def stored_response_route(response_id: str) -> Response:
+        if request.args.get("stream", "").lower() == "true":  # a background stream, resumed
+            after = request.args.get("starting_after")
+            return _event_stream(
+                _frames(state.background.follow(response_id, after, state.responses))
+            )
+        running = state.background.get(response_id)
+        if running is not None:
+            return _json(running.response)
         return _json(stored_response(state.responses, response_id).response)
+
+    @app.post("/v1/responses/<response_id:response_id>/cancel")
+    async def cancel_response_route(response_id: str) -> Response:
+        return _json(await state.background.cancel(response_id, state.responses))
 
     @app.delete("/v1/responses/<response_id:response_id>")
     async def delete_response_route(response_id: str) -> Response:
+        if state.background.forget(response_id):
+            state.responses.delete(response_id)
+            return _json(ResponseDeleted(id=response_id).dump())
         return _json(delete_response(state.responses, response_id))
 
     @app.get("/v1/responses/<response_id:response_id>/input_items")
@@ -278,6 +302,7 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
             "model": model,
             "names": state.model_names,
             "response_store": dataclasses.asdict(state.responses.statistics()),
+            "background_responses": state.background.statistics(),
         }
         return _json(stats)
 

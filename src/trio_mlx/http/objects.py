@@ -272,9 +272,11 @@ class ResponseObject(_Out):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
     output: list[OutputItem]
+    #: Whether it runs in the background (`background`: retrieved and cancelled by its id).
+    background: bool = False
     #: The response this one continued, and whether it is kept when it ends (`store`).
     previous_response_id: str | None = None
     store: bool = True

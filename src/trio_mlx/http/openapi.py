@@ -40,7 +40,8 @@ ERRORS = {
     "400": "Invalid request: malformed JSON, a wrong type or value (`param` names the field), "
     "a prompt that does not fit the context",
     "404": "Unknown model",
-    "404-response": "No stored response has this id (never made, `store` false, evicted, deleted)",
+    "404-response": "No stored or background response has this id (never made, `store` false, "
+    "evicted, deleted)",
     "413": "Request body too large",
     "415": "Content-Type is not application/json",
     "429": "Admission refused: the engine is busy (see Retry-After)",
@@ -93,11 +94,53 @@ def _stored_response_paths() -> dict[str, Any]:
             "schema": {"enum": ["asc", "desc"], "default": "desc"},
         },
     ]
+    resume = [
+        {
+            "name": "stream",
+            "in": "query",
+            "required": False,
+            "description": "`true`: the events of a response created with `background` and "
+            "`stream`, as it runs or after it has ended",
+            "schema": {"enum": ["true", "false"]},
+        },
+        {
+            "name": "starting_after",
+            "in": "query",
+            "required": False,
+            "description": "With `stream`: the events after the one of this `sequence_number`",
+            "schema": {"type": "integer"},
+        },
+    ]
+    retrieved = _get(
+        "A stored response (`store`), or a background one as it stands (`queued`, "
+        "`in_progress` with its output so far, then as it ended)",
+        _ref(ResponseObject),
+        "400",
+        "404-response",
+    )
+    retrieved["responses"]["200"]["content"]["text/event-stream"] = _named_event_stream(
+        ResponseStreamEvent
+    )
     return {
         "/v1/responses/{response_id}": {
             "parameters": [RESPONSE_ID],
-            "get": _get("A stored response (`store`)", _ref(ResponseObject), "404-response"),
-            "delete": _get("Delete a stored response", _ref(ResponseDeleted), "404-response"),
+            "get": retrieved | {"parameters": resume},
+            "delete": _get(
+                "Delete a stored response (a background one that runs is cancelled)",
+                _ref(ResponseDeleted),
+                "404-response",
+            ),
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "parameters": [RESPONSE_ID],
+            "post": _get(
+                "Cancel a background response: it ends `cancelled` with the output written so "
+                "far; one that has ended is returned as it ended; 400 for a response not "
+                "created with `background`",
+                _ref(ResponseObject),
+                "400",
+                "404-response",
+            ),
         },
         "/v1/responses/{response_id}/input_items": {
             "parameters": [RESPONSE_ID],

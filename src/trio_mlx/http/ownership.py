@@ -38,6 +38,9 @@ class OwnedRequests:
         self._requests = [r for r in self._requests if not r.closed]
         self._requests.append(active)
 
+    def remove(self, active: ActiveRequest) -> None:
+        self._requests = [r for r in self._requests if r is not active]
+
     def close_all(self) -> None:
         """Synchronous and idempotent: runs in `finally`, inside a cancelled scope too."""
         requests, self._requests = self._requests, []
@@ -53,6 +56,15 @@ def own(active: ActiveRequest) -> ActiveRequest:
     owned = _current.get()
     if owned is not None:
         owned.add(active)
+    return active
+
+
+def disown(active: ActiveRequest) -> ActiveRequest:
+    """Untie `active` from the current ASGI call: its new owner (a background response,
+    `responses/background.py`) closes it."""
+    owned = _current.get()
+    if owned is not None:
+        owned.remove(active)
     return active
 
 

@@ -6,9 +6,11 @@ Order of life:
 2. the engine is opened (`open_engine`) beside the server; routes use it once it is ready;
 3. on `RunningServer.shutdown()` (the CLI calls it on the first SIGINT/SIGTERM) the server keeps
    listening but refuses new work: `/health` and every new request get 503. Requests in flight
-   may finish for `shutdown_timeout` seconds; then the engine is closed, which ends each stream
-   still running with an error event and `[DONE]`; once they have been written (at most
-   `FINAL_WRITE_GRACE` seconds) the listener closes and `serve_http` returns;
+   (background responses included: `http/responses/background.py`) may finish for
+   `shutdown_timeout` seconds; then the engine is closed, which ends each stream still running
+   with an error event and `[DONE]` (a background response `failed`); once they have been
+   written (at most `FINAL_WRITE_GRACE` seconds) the background responses still running are
+   cancelled, the listener closes and `serve_http` returns;
 4. `RunningServer.abort()` (the CLI's second signal) skips the wait of step 3: streams end with
    their error event and `[DONE]` at once.
 
@@ -131,17 +133,20 @@ async def serve_http(
                     settings.model, loader=loader, **settings.engine_options
                 ) as engine:
                     state.engine = engine
-                    state.ready.set()
-                    log.info(
-                        "model %s ready (%.1f s); serving as %s",
-                        engine.model_name,
-                        time.monotonic() - started,
-                        ", ".join(state.model_names),
-                    )
-                    if on_ready is not None and running:
-                        on_ready(running[0])
-                    await stop.wait()
-                    await drain(engine.close)
+                    # Background responses run while the engine serves; a drain waits for
+                    # them as for the requests in flight, and those left are cancelled.
+                    async with state.background.serving():
+                        state.ready.set()
+                        log.info(
+                            "model %s ready (%.1f s); serving as %s",
+                            engine.model_name,
+                            time.monotonic() - started,
+                            ", ".join(state.model_names),
+                        )
+                        if on_ready is not None and running:
+                            on_ready(running[0])
+                        await stop.wait()
+                        await drain(engine.close)
         except Exception as exc:
             if state.engine is None:
                 state.load_error = exc

@@ -16,6 +16,7 @@ import trio
 
 from trio_mlx.actors.engine import Engine
 from trio_mlx.http.errors import NOT_FOUND, UNAVAILABLE, APIError
+from trio_mlx.http.responses.background import BackgroundResponses
 from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES, ResponseStore
 
 
@@ -61,6 +62,11 @@ class ServerState:
         self.created = int(time.time())
         #: Responses kept for `previous_response_id` and the retrieval routes.
         self.responses = ResponseStore(settings.response_store_size, settings.response_store_bytes)
+        #: Responses running in the background (`background`), and the last ended ones; each
+        #: running one counts as a request in flight.
+        self.background = BackgroundResponses(
+            settings.response_store_size, self.request_started, self.request_ended
+        )
 
     @property
     def model_names(self) -> list[str]:

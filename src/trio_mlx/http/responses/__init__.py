@@ -1,6 +1,7 @@
-"""The OpenAI Responses API: `POST /v1/responses` (whole or streamed), its WebSocket mode on the
-same path, `POST /v1/responses/input_tokens`, and the stored responses: `GET` and `DELETE
-/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
+"""The OpenAI Responses API: `POST /v1/responses` (whole or streamed, or in the background), its
+WebSocket mode on the same path, `POST /v1/responses/input_tokens`, the stored responses: `GET`
+and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, and the background ones'
+`POST /v1/responses/{id}/cancel`.
 
 - `requests`: the request bodies (`ResponsesRequest`, its `InputItem`s, `InputTokensRequest`);
 - `conversation`: `instructions` and `input` items as chat-template messages;
@@ -12,8 +13,10 @@ same path, `POST /v1/responses/input_tokens`, and the stored responses: `GET` an
 - `socket`: the WebSocket mode: `response.create` messages in, events out, on one connection;
 - `store`: responses kept for `previous_response_id` (the server's bounded store, a WebSocket
   connection's most recent response);
-- `items`: input items as a stored response keeps them, and the stored responses' routes.
+- `items`: input items as a stored response keeps them, and the stored responses' routes;
+- `background`: responses run in the server's own nursery (`background: true`), retrieved
+  while they run, their event streams followed again, cancelled.
 
 Validation and admission errors are raised (as `APIError`) before the first event. A client that
-goes away aborts the generation at the next step boundary.
+goes away aborts the generation at the next step boundary, unless it runs in the background.
 """

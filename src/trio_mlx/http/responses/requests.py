@@ -229,19 +229,34 @@ Includable = Literal[
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses (and a `response.create` message on its WebSocket)."""
 
-    # `top_logprobs` above 0 needs the logprobs included (refused in `check_supported`).
+    # `top_logprobs` above 0 needs the logprobs included, `background` needs `store` (both
+    # refused in `check_supported`).
     model_config = ConfigDict(
         json_schema_extra={
-            "if": {
-                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
-                "required": ["top_logprobs"],
-            },
-            "then": {
-                "properties": {
-                    "include": {"type": "array", "contains": {"const": OUTPUT_TEXT_LOGPROBS}}
+            "allOf": [
+                {
+                    "if": {
+                        "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                        "required": ["top_logprobs"],
+                    },
+                    "then": {
+                        "properties": {
+                            "include": {
+                                "type": "array",
+                                "contains": {"const": OUTPUT_TEXT_LOGPROBS},
+                            }
+                        },
+                        "required": ["include"],
+                    },
                 },
-                "required": ["include"],
-            },
+                {
+                    "if": {
+                        "properties": {"background": {"const": True}},
+                        "required": ["background"],
+                    },
+                    "then": {"properties": {"store": {"not": {"const": False}}}},
+                },
+            ]
         }
     )
 
@@ -261,6 +276,15 @@ class ResponsesRequest(SamplingFields):
         Field(
             description="Keep the response when it ends (completed or incomplete) for "
             "`previous_response_id`, `GET /v1/responses/{id}` and its input items; default true."
+        ),
+    ] = None
+    background: Annotated[
+        bool | None,
+        Field(
+            description="Run the response in the background: `POST` answers at once (status "
+            "`queued`, or the event stream with `stream`), `GET /v1/responses/{id}` shows it "
+            "`in_progress` then ended, `POST /v1/responses/{id}/cancel` cancels it. Needs "
+            "`store` (not false)."
         ),
     ] = None
     truncation: Annotated[
@@ -293,6 +317,12 @@ class ResponsesRequest(SamplingFields):
         return self.store is not False
 
     def check_supported(self) -> None:
+        if self.background and not self.stored:
+            raise APIError(
+                400,
+                "background mode needs the response stored: store must not be false",
+                param="background",
+            )
         if self.top_logprobs and not self.logprobs:
             raise APIError(
                 400,

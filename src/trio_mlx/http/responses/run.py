@@ -224,6 +224,7 @@ class ResponseRun:
             output=output,
             previous_response_id=body.previous_response_id,
             store=body.stored,
+            background=body.background is True,
             truncation=body.truncation or "disabled",
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,

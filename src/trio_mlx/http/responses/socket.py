@@ -65,6 +65,12 @@ def socket_request(message: str | bytes) -> ResponsesRequest:
             400, f"unknown message type {kind!r}; expected 'response.create'", param="type"
         )
     payload.pop("stream", None)  # a WebSocket response is always streamed
+    if payload.get("background"):
+        raise APIError(
+            400,
+            "background mode is served by POST /v1/responses, not on the WebSocket",
+            param="background",
+        )
     try:
         return ResponsesRequest.model_validate(payload)
     except ValidationError as exc:

@@ -37,6 +37,7 @@ from trio_mlx.http.objects import (
     OutputText,
     ReasoningItem,
     ReasoningText,
+    ResponseObject,
     ResponseStreamEvent,
     TextLogprob,
     TokenLogprobOut,
@@ -73,6 +74,14 @@ class ResponseEvents:
         self._reasoning: ReasoningItem | None = None
         #: The stream's tokens, as they write its text, reasoning and calls.
         self._tokens = run.reply_tokens()
+        #: The response as its last event carries it, once it has ended.
+        self.final: ResponseObject | None = None
+
+    def partial(self, status: str) -> ResponseObject:
+        """The response at `status` with the output written so far (a background response
+        retrieved while it runs, or cancelled)."""
+        output = [*self._items, *self._open_items()]
+        return self.run.response(status, output, None, self._tokens.reasoning)
 
     async def events(self) -> AsyncGenerator[list[ResponseEvent]]:
         """The event sequence of a streamed response, in batches: the events that are ready
@@ -103,6 +112,7 @@ class ResponseEvents:
                 output = [*self._items, *self._open_items()]
                 response = self.run.response(status, output, out, self._tokens.reasoning)
                 self.run.end(response)  # kept before the client can read that it ended
+                self.final = response
                 ready.append(self._event(f"response.{status}", response=response))
                 yield ready
                 return
