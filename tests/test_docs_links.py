@@ -112,12 +112,18 @@ def test_the_benchmarks_index_lists_every_file_there() -> None:
 @pytest.mark.parametrize(
     ("heading", "anchor"),
     [
-        ("Constrained decoding: `python -m bench.constrained`",
-         "constrained-decoding-python--m-benchconstrained"),
-        ("Many streams on the CPU: the default `--max-num-seqs` 8",
-         "many-streams-on-the-cpu-the-default---max-num-seqs-8"),
-        ("The event loop's cost per streamed token (issue 21)",
-         "the-event-loops-cost-per-streamed-token-issue-21"),
+        (
+            "Constrained decoding: `python -m bench.constrained`",
+            "constrained-decoding-python--m-benchconstrained",
+        ),
+        (
+            "Many streams on the CPU: the default `--max-num-seqs` 8",
+            "many-streams-on-the-cpu-the-default---max-num-seqs-8",
+        ),
+        (
+            "The event loop's cost per streamed token (issue 21)",
+            "the-event-loops-cost-per-streamed-token-issue-21",
+        ),
     ],
 )
 def test_slug_matches_githubs_anchors(heading: str, anchor: str) -> None:
