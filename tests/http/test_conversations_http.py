@@ -52,7 +52,14 @@ def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
 
 async def test_create_retrieve_update_delete(client: openai.AsyncOpenAI) -> None:
     created = await client.conversations.create(
-        items=[said(FIRST), {"type": "message", "role": "assistant", "content": "Blue."}],
+        items=[
+            said(FIRST),
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Blue."}],  # no annotations
+            },
+        ],
         metadata={"topic": "colours"},
     )
     assert created.object == "conversation" and created.id
@@ -67,6 +74,7 @@ async def test_create_retrieve_update_delete(client: openai.AsyncOpenAI) -> None
     assert kept[0].role == "user" and kept[0].content[0].type == "input_text"
     assert kept[0].content[0].text == FIRST and kept[0].status == "completed"
     assert kept[1].role == "assistant" and kept[1].content[0].type == "output_text"
+    assert kept[1].content[0].annotations == []
 
     deleted = await client.conversations.delete(created.id)
     assert deleted.model_dump() == {

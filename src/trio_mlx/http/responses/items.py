@@ -53,6 +53,10 @@ def kept_item(item: InputItem) -> dict[str, Any]:
             kept["content"] = [{"type": "output_text", "text": item.content, "annotations": []}]
         else:
             kept["content"] = [{"type": "input_text", "text": item.content}]
+    elif item.type == "message" and isinstance(kept.get("content"), list):
+        for part in kept["content"]:  # as the response's own output_text parts have them
+            if part.get("type") == "output_text":
+                part.setdefault("annotations", [])
     return kept
 
 
