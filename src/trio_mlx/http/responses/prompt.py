@@ -6,9 +6,9 @@ of the conversation named by `conversation`, then the request's own `input`; the
 response's `instructions` do not carry over, as at OpenAI), turns it into chat-template
 messages after `instructions` (`conversation.input_messages`) and plans its tools
 (`http/tooling.py`: the template's tools, or the fallback system prompt, and a forced call's
-grammar). Every refusal is an `APIError` naming
-the request's own field, raised before anything is admitted or sent. `count_input_tokens`
-counts the prompt the same planning gives, so it is the length `POST /v1/responses` prefills.
+grammar). Every refusal is an `APIError` naming the request's own field, raised before anything
+is admitted or sent. `count_input_tokens` counts the prompt the same planning gives, so it is
+the length `POST /v1/responses` prefills.
 
 `truncation: "auto"` (`truncate`): a conversation longer than the context loses its oldest
 input items, the fewest that make it fit (found by halving, each try a token count): never
