@@ -281,7 +281,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Responses API responses (store: true) kept in memory for previous_response_id "
         "and GET /v1/responses/{id}, the oldest evicted first (and as many ended background "
-        "responses besides); 0 keeps none and refuses background",
+        "responses besides, and as many /v1/conversations, the least recently used evicted "
+        "first); 0 keeps none and refuses background and conversations",
     )
     parser.add_argument(
         "--response-store-mb",
@@ -289,7 +290,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MEGABYTES,
         metavar="MB",
         help="memory for the kept responses in MiB (their JSON text, a conversation's earlier "
-        "items counted with each turn); 0 keeps none",
+        "items counted with each turn), and as much again for the conversations; 0 keeps none",
     )
     parser.add_argument(
         "--mllm",

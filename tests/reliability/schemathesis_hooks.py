@@ -19,7 +19,8 @@ on the server's settings, which a static document cannot state:
 - a `tool_choice` naming a tool that is not among the request's `tools` (or needing tools when
   there are none), and two tools of one name;
 - a `previous_response_id` naming no response the server has stored (code
-  `previous_response_not_found`): which responses exist is the server's state;
+  `previous_response_not_found`), or an item list's `after` naming no item of the list (code
+  `after_not_found`): which responses and items exist is the server's state;
 - an Anthropic `thinking.budget_tokens` at or above `max_tokens` (Anthropic's rule): a relation
   between two fields, which a schema cannot state.
 
@@ -65,7 +66,7 @@ def depends_on_model_or_settings(response: Response) -> bool:
         param, code, message = error_fields(response.content)
     except (ValueError, KeyError, TypeError):
         return False
-    if code in ("context_length_exceeded", "previous_response_not_found"):
+    if code in ("context_length_exceeded", "previous_response_not_found", "after_not_found"):
         return True
     if param in TOKEN_LIMITS and f"this server allows at most {MAX_TOKENS}" in message:
         return True

@@ -37,6 +37,10 @@ from trio_mlx.http.anthropic.stream import message_events
 from trio_mlx.http.api_key import RequireAPIKey
 from trio_mlx.http.chat import chat_completions
 from trio_mlx.http.completions import completions
+from trio_mlx.http.conversations import routes as conversations
+from trio_mlx.http.conversations.requests import ConversationCreateRequest as CreateRequest
+from trio_mlx.http.conversations.requests import ConversationItemsRequest as ItemsRequest
+from trio_mlx.http.conversations.requests import ConversationUpdateRequest as UpdateRequest
 from trio_mlx.http.errors import (
     INVALID_REQUEST,
     NOT_FOUND,
@@ -268,6 +272,8 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
     async def responses_socket() -> None:
         await serve_responses_socket(state, websocket, record_of(websocket.scope))
 
+    _conversation_routes(app, state)
+
     @app.get("/v1/models")
     async def models_route() -> Response:
         state.engine_for(None)
@@ -303,6 +309,7 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
             "names": state.model_names,
             "response_store": dataclasses.asdict(state.responses.statistics()),
             "background_responses": state.background.statistics(),
+            "conversations": dataclasses.asdict(state.conversations.statistics()),
         }
         return _json(stats)
 
@@ -332,6 +339,48 @@ def _routes(app: QuartTrio, state: ServerState, metrics: Metrics) -> None:
         return _json(openapi_document())
 
     add_page_routes(app, state)
+
+
+def _conversation_routes(app: QuartTrio, state: ServerState) -> None:
+    """The Conversations API (`http/conversations/routes.py`)."""
+    store = state.conversations
+
+    @app.post("/v1/conversations")
+    async def create_conversation_route() -> Response:
+        return _json(conversations.create_conversation(store, await read_body(CreateRequest)))
+
+    @app.get("/v1/conversations/<conversation_id>")
+    async def conversation_route(conversation_id: str) -> Response:
+        return _json(conversations.retrieve_conversation(store, conversation_id))
+
+    @app.post("/v1/conversations/<conversation_id>")
+    async def update_conversation_route(conversation_id: str) -> Response:
+        body = await read_body(UpdateRequest)
+        return _json(conversations.update_conversation(store, conversation_id, body))
+
+    @app.delete("/v1/conversations/<conversation_id>")
+    async def delete_conversation_route(conversation_id: str) -> Response:
+        return _json(conversations.delete_conversation(store, conversation_id))
+
+    @app.post("/v1/conversations/<conversation_id>/items")
+    async def add_items_route(conversation_id: str) -> Response:
+        body = await read_body(ItemsRequest)
+        return _json(conversations.add_items(store, conversation_id, body))
+
+    @app.get("/v1/conversations/<conversation_id>/items")
+    async def list_items_route(conversation_id: str) -> Response:
+        query = {
+            name: request.args[name] for name in ("after", "limit", "order") if name in request.args
+        }
+        return _json(conversations.list_items(store, conversation_id, query))
+
+    @app.get("/v1/conversations/<conversation_id>/items/<item_id>")
+    async def item_route(conversation_id: str, item_id: str) -> Response:
+        return _json(conversations.retrieve_item(store, conversation_id, item_id))
+
+    @app.delete("/v1/conversations/<conversation_id>/items/<item_id>")
+    async def delete_item_route(conversation_id: str, item_id: str) -> Response:
+        return _json(conversations.delete_item(store, conversation_id, item_id))
 
 
 def _error_handlers(app: QuartTrio) -> None:

@@ -268,6 +268,12 @@ class IncompleteDetails(_Out):
     reason: Literal["max_output_tokens", "content_filter"]
 
 
+class ConversationRef(_Out):
+    """A response's `conversation`: the id of the conversation it belongs to."""
+
+    id: str
+
+
 class ResponseObject(_Out):
     id: str
     object: Literal["response"] = "response"
@@ -279,6 +285,9 @@ class ResponseObject(_Out):
     background: bool = False
     #: The response this one continued, and whether it is kept when it ends (`store`).
     previous_response_id: str | None = None
+    #: The conversation it continued, to which its input and output items are appended when it
+    #: ends (`conversation`).
+    conversation: ConversationRef | None = None
     store: bool = True
     truncation: Literal["auto", "disabled"] = "disabled"
     instructions: str | None = None
@@ -341,6 +350,27 @@ class ResponseItemList(_Out):
 
     def dump(self) -> dict[str, Any]:  # first_id and last_id are always present
         return self.model_dump(mode="json")
+
+
+class ConversationObject(_Out):
+    """A conversation (`/v1/conversations`): its items are listed apart
+    (`/v1/conversations/{id}/items`)."""
+
+    id: str
+    object: Literal["conversation"] = "conversation"
+    created_at: int
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    def dump(self) -> dict[str, Any]:  # metadata is always present
+        return self.model_dump(mode="json")
+
+
+class ConversationDeleted(_Out):
+    """`DELETE /v1/conversations/{id}`: the conversation and its items are gone."""
+
+    id: str
+    object: Literal["conversation.deleted"] = "conversation.deleted"
+    deleted: Literal[True] = True
 
 
 class InputTokenCount(_Out):

@@ -17,10 +17,17 @@ from pydantic.json_schema import models_json_schema
 
 from trio_mlx.http.anthropic.objects import STREAM_EVENTS, AnthropicError, Message, TokenCount
 from trio_mlx.http.anthropic.requests import CountTokensRequest, MessagesRequest
+from trio_mlx.http.conversations.requests import (
+    ConversationCreateRequest,
+    ConversationItemsRequest,
+    ConversationUpdateRequest,
+)
 from trio_mlx.http.objects import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
+    ConversationDeleted,
+    ConversationObject,
     ErrorResponse,
     Health,
     InputTokenCount,
@@ -42,6 +49,8 @@ ERRORS = {
     "404": "Unknown model",
     "404-response": "No stored or background response has this id (never made, `store` false, "
     "evicted, deleted)",
+    "404-conversation": "No conversation has this id (never made, deleted, evicted)",
+    "404-item": "No conversation has this id, or it holds no item of this id",
     "413": "Request body too large",
     "415": "Content-Type is not application/json",
     "429": "Admission refused: the engine is busy (see Retry-After)",
@@ -71,29 +80,33 @@ def _errors(*codes: str) -> dict[str, Any]:
 RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
+#: The query of the item lists (a stored response's input items, a conversation's).
+ITEMS_QUERY = [
+    {
+        "name": "after",
+        "in": "query",
+        "required": False,
+        "description": "List the items after the item with this id (the next page).",
+        "schema": {"type": "string"},
+    },
+    {
+        "name": "limit",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+    },
+    {
+        "name": "order",
+        "in": "query",
+        "required": False,
+        "schema": {"enum": ["asc", "desc"], "default": "desc"},
+    },
+]
+
+
 def _stored_response_paths() -> dict[str, Any]:
     """`GET` and `DELETE /v1/responses/{response_id}`, `GET .../input_items`."""
-    query = [
-        {
-            "name": "after",
-            "in": "query",
-            "required": False,
-            "description": "List the items after the item with this id (the next page).",
-            "schema": {"type": "string"},
-        },
-        {
-            "name": "limit",
-            "in": "query",
-            "required": False,
-            "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
-        },
-        {
-            "name": "order",
-            "in": "query",
-            "required": False,
-            "schema": {"enum": ["asc", "desc"], "default": "desc"},
-        },
-    ]
+    query = ITEMS_QUERY
     resume = [
         {
             "name": "stream",
@@ -152,6 +165,87 @@ def _stored_response_paths() -> dict[str, Any]:
                 "404-response",
             )
             | {"parameters": query},
+        },
+    }
+
+
+#: The path parameters of the conversation routes.
+CONVERSATION_ID = {
+    "name": "conversation_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+}
+ITEM_ID = {"name": "item_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _with_body(operation: dict[str, Any], body: type[BaseModel], *errors: str) -> dict[str, Any]:
+    """`operation` (`_get`'s) taking a JSON `body`, with the errors of reading one."""
+    operation["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": _ref(body)}},
+    }
+    operation["responses"] |= _errors("400", "413", "415", *errors)
+    return operation
+
+
+def _conversation_paths() -> dict[str, Any]:
+    """The Conversations API: `/v1/conversations` and its items."""
+    item = {"type": "object", "required": ["id", "type"]}
+    return {
+        "/v1/conversations": {
+            "post": _with_body(
+                _get(
+                    "Create a conversation, with its first `items` (at most 20) and `metadata`",
+                    _ref(ConversationObject),
+                ),
+                ConversationCreateRequest,
+            )
+        },
+        "/v1/conversations/{conversation_id}": {
+            "parameters": [CONVERSATION_ID],
+            "get": _get("A conversation", _ref(ConversationObject), "404-conversation"),
+            "post": _with_body(
+                _get(
+                    "Replace a conversation's `metadata`",
+                    _ref(ConversationObject),
+                    "404-conversation",
+                ),
+                ConversationUpdateRequest,
+            ),
+            "delete": _get(
+                "Delete a conversation and its items",
+                _ref(ConversationDeleted),
+                "404-conversation",
+            ),
+        },
+        "/v1/conversations/{conversation_id}/items": {
+            "parameters": [CONVERSATION_ID],
+            "post": _with_body(
+                _get(
+                    "Append items (at most 20) to a conversation; the items as added, each "
+                    "with its `id`",
+                    _ref(ResponseItemList),
+                    "404-conversation",
+                ),
+                ConversationItemsRequest,
+            ),
+            "get": _get(
+                "A conversation's items, a page at a time (`desc`, the newest first, by default)",
+                _ref(ResponseItemList),
+                "400",
+                "404-conversation",
+            )
+            | {"parameters": ITEMS_QUERY},
+        },
+        "/v1/conversations/{conversation_id}/items/{item_id}": {
+            "parameters": [CONVERSATION_ID, ITEM_ID],
+            "get": _get("One item of a conversation", item, "404-item"),
+            "delete": _get(
+                "Delete one item of a conversation; the conversation",
+                _ref(ConversationObject),
+                "404-item",
+            ),
         },
     }
 
@@ -308,6 +402,11 @@ def openapi_document() -> dict[str, Any]:
         InputTokenCount,
         ResponseDeleted,
         ResponseItemList,
+        ConversationCreateRequest,
+        ConversationUpdateRequest,
+        ConversationItemsRequest,
+        ConversationObject,
+        ConversationDeleted,
         ModelList,
         ModelCard,
         Health,
@@ -352,7 +451,7 @@ def openapi_document() -> dict[str, Any]:
             "post": {
                 "summary": "Count the input tokens of a response: the prompt `POST /v1/responses` "
                 "would prefill for the same `input`, `instructions`, `tools` and "
-                "`previous_response_id`",
+                "`previous_response_id` or `conversation`",
                 "requestBody": {
                     "required": True,
                     "content": {"application/json": {"schema": _ref(InputTokensRequest)}},
@@ -362,6 +461,7 @@ def openapi_document() -> dict[str, Any]:
             }
         },
         **_stored_response_paths(),
+        **_conversation_paths(),
         "/v1/messages": _anthropic(
             "Anthropic Messages API: create a message",
             MessagesRequest,
@@ -427,6 +527,11 @@ def openapi_document() -> dict[str, Any]:
             }
         },
     }
+    for path in ("/v1/responses", "/v1/responses/input_tokens"):
+        paths[path]["post"]["responses"]["404"] = {
+            "description": "Unknown model, or no conversation has the id of `conversation`",
+            "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+        }
     return {
         "openapi": "3.2.0",
         "info": {

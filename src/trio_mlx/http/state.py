@@ -15,6 +15,7 @@ from typing import Any, Literal
 import trio
 
 from trio_mlx.actors.engine import Engine
+from trio_mlx.http.conversations.store import ConversationStore
 from trio_mlx.http.errors import NOT_FOUND, UNAVAILABLE, APIError
 from trio_mlx.http.responses.background import BackgroundResponses
 from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES, ResponseStore
@@ -36,7 +37,8 @@ class ServerSettings:
     #: name of `trio_mlx.tools.PARSER_CHOICES`.
     tool_call_parser: str = "auto"
     #: The bounds of the stored Responses (`http/responses/store.py`): how many, how many bytes
-    #: in all; 0 stores none.
+    #: in all; 0 stores none. The conversations (`http/conversations/store.py`) have the same
+    #: bounds, a budget of their own.
     response_store_size: int = DEFAULT_RESPONSES
     response_store_bytes: int = int(DEFAULT_MEGABYTES * 1024 * 1024)
     engine_options: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +64,10 @@ class ServerState:
         self.created = int(time.time())
         #: Responses kept for `previous_response_id` and the retrieval routes.
         self.responses = ResponseStore(settings.response_store_size, settings.response_store_bytes)
+        #: Conversations (`/v1/conversations`, `conversation`), bounded as the responses are.
+        self.conversations = ConversationStore(
+            settings.response_store_size, settings.response_store_bytes
+        )
         #: Responses running in the background (`background`), and the last ended ones; each
         #: running one counts as a request in flight.
         self.background = BackgroundResponses(

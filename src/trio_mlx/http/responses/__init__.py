@@ -17,6 +17,9 @@ and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, and the b
 - `background`: responses run in the server's own nursery (`background: true`), retrieved
   while they run, their event streams followed again, cancelled.
 
+A request with `conversation` continues one of the Conversations API's conversations
+(`http/conversations/`: its items before `input`, the response's appended once it ends).
+
 Validation and admission errors are raised (as `APIError`) before the first event. A client that
 goes away aborts the generation at the next step boundary, unless it runs in the background.
 """

@@ -65,8 +65,8 @@ def input_messages(
 
 def name_input_field(exc: APIError, where: Sequence[str]) -> None:
     """Name the field as the client sent it: `messages[i]` is the field that message came from
-    (`where[i]`: an input item, with the rest of the path; `instructions` or
-    `previous_response_id`, alone)."""
+    (`where[i]`: an input item, `input[3]` or `items[3]`, with the rest of the path;
+    `instructions`, `previous_response_id` or `conversation`, alone)."""
     if not exc.param or not exc.param.startswith("messages"):
         return
     if not exc.param.startswith("messages["):
@@ -76,7 +76,7 @@ def name_input_field(exc: APIError, where: Sequence[str]) -> None:
     rest = exc.param.split("]", 1)[1]
     if 0 <= index < len(where):
         field = where[index]
-        exc.param = field + rest if field.startswith("input") else field
+        exc.param = field + rest if field.endswith("]") else field
 
 
 def _item_message(item: InputItem, field: str, previous: ChatMessage | None) -> ChatMessage | None:
@@ -90,6 +90,10 @@ def _item_message(item: InputItem, field: str, previous: ChatMessage | None) -> 
                 f"a function_call item needs {missing}",
                 param=f"{field}.{missing}",
                 code="missing_required_parameter",
+            )
+        if not item.name:
+            raise APIError(
+                400, "a function_call item's name must not be empty", param=f"{field}.name"
             )
         call = {
             "id": item.call_id,

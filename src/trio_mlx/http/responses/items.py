@@ -53,6 +53,10 @@ def kept_item(item: InputItem) -> dict[str, Any]:
             kept["content"] = [{"type": "output_text", "text": item.content, "annotations": []}]
         else:
             kept["content"] = [{"type": "input_text", "text": item.content}]
+    elif item.type == "message" and isinstance(kept.get("content"), list):
+        for part in kept["content"]:  # as the response's own output_text parts have them
+            if part.get("type") == "output_text":
+                part.setdefault("annotations", [])
     return kept
 
 
@@ -87,22 +91,34 @@ def input_items_page(
     """One page of a stored response's input items (`ResponseItemList`), in `order` (`desc`,
     the newest first, by default), from the item after `after`, at most `limit`. `include` is
     accepted and adds nothing: the items are kept whole."""
+    asked = read_items_query(query)
+    items = list(stored_response(store, response_id).input_items)
+    return items_page(items, asked, f"no input item {asked.after!r} in response {response_id!r}")
+
+
+def read_items_query(query: dict[str, str]) -> InputItemsQuery:
+    """A list route's query (`after`, `limit`, `order`), or the 400 naming the field."""
     try:
-        asked = InputItemsQuery.model_validate(query)
+        return InputItemsQuery.model_validate(query)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    items = list(stored_response(store, response_id).input_items)
+
+
+#: The code of the 400 for an `after` that names no item of the list.
+AFTER_NOT_FOUND = "after_not_found"
+
+
+def items_page(items: list[dict[str, Any]], asked: InputItemsQuery, unknown: str) -> dict[str, Any]:
+    """One page of `items` (oldest first) as `asked` (`ResponseItemList`); `unknown`: the 400's
+    message for an `after` that is none of their ids."""
+    items = list(items)
     if asked.order == "desc":
         items.reverse()
     start = 0
     if asked.after is not None:
         ids = [item.get("id") for item in items]
         if asked.after not in ids:
-            raise APIError(
-                400,
-                f"no input item {asked.after!r} in response {response_id!r}",
-                param="after",
-            )
+            raise APIError(400, unknown, param="after", code=AFTER_NOT_FOUND)
         start = ids.index(asked.after) + 1
     page = items[start : start + asked.limit]
     return ResponseItemList(

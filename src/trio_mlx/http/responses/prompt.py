@@ -1,13 +1,14 @@
 """A Responses request's prompt as the engine takes it, and `POST /v1/responses/input_tokens`.
 
 `ResponsePrompt` checks what the request asks for (`check_supported`), picks the engine for its
-model, resolves the conversation (the items of the response named by `previous_response_id`,
-then the request's own `input`; the earlier response's `instructions` do not carry over, as at
-OpenAI), turns it into chat-template messages after `instructions`
-(`conversation.input_messages`) and plans its tools (`http/tooling.py`: the template's tools, or
-the fallback system prompt, and a forced call's grammar). Every refusal is an `APIError` naming
-the request's own field, raised before anything is admitted or sent. `count_input_tokens`
-counts the prompt the same planning gives, so it is the length `POST /v1/responses` prefills.
+model, resolves the conversation (the items of the response named by `previous_response_id`, or
+of the conversation named by `conversation`, then the request's own `input`; the earlier
+response's `instructions` do not carry over, as at OpenAI), turns it into chat-template
+messages after `instructions` (`conversation.input_messages`) and plans its tools
+(`http/tooling.py`: the template's tools, or the fallback system prompt, and a forced call's
+grammar). Every refusal is an `APIError` naming the request's own field, raised before anything
+is admitted or sent. `count_input_tokens` counts the prompt the same planning gives, so it is
+the length `POST /v1/responses` prefills.
 
 `truncation: "auto"` (`truncate`): a conversation longer than the context loses its oldest
 input items, the fewest that make it fit (found by halving, each try a token count): never
@@ -22,6 +23,7 @@ import re
 from typing import Any
 
 from trio_mlx.engine.prompts import renders_reasoning
+from trio_mlx.http.conversations.turn import ConversationTurn
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import prepare_async
 from trio_mlx.http.objects import InputTokenCount
@@ -51,19 +53,27 @@ class ResponsePrompt:
         self.engine, self.model = state.engine_for(body.model)
         self._body = body
         self._parser = state.settings.tool_call_parser
-        #: The response this one continues (`previous_response_id`).
+        #: The response this one continues (`previous_response_id`), or the conversation
+        #: (`conversation`): never both (`check_supported`).
         self.previous: StoredResponse | None = None
+        self.conversation: ConversationTurn | None = None
+        earlier: tuple[dict[str, Any], ...] = ()
         if body.previous_response_id is not None:
             self.previous = previous_response(
                 body.previous_response_id, state.responses, connection
             )
-        earlier = self.previous.conversation if self.previous is not None else ()
+            earlier = self.previous.conversation
+        elif body.conversation_id is not None:
+            self.conversation = ConversationTurn(state.conversations, body.conversation_id)
+            earlier = self.conversation.items
         own = own_items(body.input)
         self._models = [*(InputItem.model_validate(item) for item in earlier), *own]
         #: The items as kept: the earlier ones as stored; the request's own are made kept
         #: (`items`) only for a response that is kept.
         self._items: list[dict[str, Any] | InputItem] = [*earlier, *own]
-        self._fields = ["previous_response_id"] * len(earlier)
+        self._own = len(earlier)  # where the request's own items start
+        earlier_field = "previous_response_id" if self.previous is not None else "conversation"
+        self._fields = [earlier_field] * len(earlier)
         self._fields += [f"input[{i}]" for i in range(len(own))]
         #: The positions of the items the prompt holds (all but what truncation dropped).
         self._kept = list(range(len(self._items)))
@@ -74,6 +84,18 @@ class ResponsePrompt:
         request's own given their ids the first time)."""
         kept = []
         for i in self._kept:
+            item = self._items[i]
+            if isinstance(item, InputItem):
+                item = self._items[i] = kept_item(item)
+            kept.append(item)
+        return kept
+
+    def request_items(self) -> list[dict[str, Any]]:
+        """The request's own input items, as kept (the same ids as `items` gives them), all of
+        them whether or not truncation dropped some from the prompt: what a conversation
+        appends."""
+        kept = []
+        for i in range(self._own, len(self._items)):
             item = self._items[i]
             if isinstance(item, InputItem):
                 item = self._items[i] = kept_item(item)

@@ -5,8 +5,8 @@ The same rules as the other routes' bodies (`requests`): types and ranges that a
 about a field are checked here (a 400 whose `param` names the field), unknown fields are
 ignored, and what depends on other fields is refused by `check_supported` rather than ignored.
 Which fields each input item needs is checked where the items become a conversation
-(`conversation.input_messages`); `previous_response_id` is looked up where the prompt is built
-(`prompt.ResponsePrompt`, in `store`).
+(`conversation.input_messages`); `previous_response_id` and `conversation` are looked up where
+the prompt is built (`prompt.ResponsePrompt`, in `store` and `http/conversations/turn.py`).
 """
 
 from __future__ import annotations
@@ -226,6 +226,50 @@ Includable = Literal[
 ]
 
 
+class ConversationParam(_Body):
+    """`conversation` as an object: `{"id": "conv-..."}`."""
+
+    id: str
+
+
+ConversationField = Annotated[
+    str | ConversationParam | None,
+    Field(
+        description="The conversation (`/v1/conversations`) this response belongs to: its items "
+        "come before `input`, and the request's input items and the response's output items are "
+        "appended to it once the response ends `completed` or `incomplete`. Its id, or "
+        '`{"id": ...}`; not with `previous_response_id`.'
+    ),
+]
+
+#: `conversation` and `previous_response_id` are mutually exclusive (both non-null: a 400).
+_ONE_OF_CONVERSATION_OR_PREVIOUS: dict[str, Any] = {
+    "not": {
+        "required": ["conversation", "previous_response_id"],
+        "properties": {
+            "conversation": {"not": {"type": "null"}},
+            "previous_response_id": {"not": {"type": "null"}},
+        },
+    }
+}
+
+
+def conversation_id_of(conversation: str | ConversationParam | None) -> str | None:
+    return conversation.id if isinstance(conversation, ConversationParam) else conversation
+
+
+def check_one_continuation(body: ResponsesRequest | InputTokensRequest) -> None:
+    """OpenAI's 400 for `conversation` with `previous_response_id`."""
+    if body.conversation is not None and body.previous_response_id is not None:
+        raise APIError(
+            400,
+            "Mutually exclusive parameters: Ensure you are only providing one of: "
+            "'previous_response_id' or 'conversation'.",
+            param="conversation",
+            code="mutually_exclusive_parameters",
+        )
+
+
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses (and a `response.create` message on its WebSocket)."""
 
@@ -256,6 +300,7 @@ class ResponsesRequest(SamplingFields):
                     },
                     "then": {"properties": {"store": {"not": {"const": False}}}},
                 },
+                _ONE_OF_CONVERSATION_OR_PREVIOUS,
             ]
         }
     )
@@ -271,6 +316,7 @@ class ResponsesRequest(SamplingFields):
             "stored on this server (`store`), or on a WebSocket the connection's most recent one."
         ),
     ] = None
+    conversation: ConversationField = None
     store: Annotated[
         bool | None,
         Field(
@@ -316,7 +362,12 @@ class ResponsesRequest(SamplingFields):
         """Whether the response is kept when it ends (`store`, true unless false)."""
         return self.store is not False
 
+    @property
+    def conversation_id(self) -> str | None:
+        return conversation_id_of(self.conversation)
+
     def check_supported(self) -> None:
+        check_one_continuation(self)
         if self.background and not self.stored:
             raise APIError(
                 400,
@@ -333,10 +384,10 @@ class ResponsesRequest(SamplingFields):
 
 class InputTokensRequest(_Body):
     """POST /v1/responses/input_tokens: the prompt fields of a Responses request, whose prompt
-    is counted as `POST /v1/responses` would prefill it (`input`, `instructions` or
-    `previous_response_id` needed)."""
+    is counted as `POST /v1/responses` would prefill it (`input`, `instructions`,
+    `previous_response_id` or `conversation` needed)."""
 
-    # `input`, non-empty `instructions` or `previous_response_id` (refused in
+    # `input`, non-empty `instructions`, `previous_response_id` or `conversation` (refused in
     # `check_supported`).
     model_config = ConfigDict(
         json_schema_extra={
@@ -350,7 +401,12 @@ class InputTokensRequest(_Body):
                     "required": ["previous_response_id"],
                     "properties": {"previous_response_id": {"type": "string", "minLength": 1}},
                 },
-            ]
+                {
+                    "required": ["conversation"],
+                    "properties": {"conversation": {"not": {"type": "null"}}},
+                },
+            ],
+            "allOf": [_ONE_OF_CONVERSATION_OR_PREVIOUS],
         }
     )
 
@@ -360,6 +416,7 @@ class InputTokensRequest(_Body):
     previous_response_id: str | None = Field(
         default=None, description="Count the conversation continued from this stored response."
     )
+    conversation: ConversationField = None
     tools: list[ResponseTool] | None = None
     tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None
@@ -368,8 +425,18 @@ class InputTokensRequest(_Body):
     def chat_tools(self) -> list[dict[str, Any]] | None:
         return _chat_tools(self.tools)
 
+    @property
+    def conversation_id(self) -> str | None:
+        return conversation_id_of(self.conversation)
+
     def check_supported(self) -> None:
-        if self.input is None and not self.instructions and not self.previous_response_id:
+        check_one_continuation(self)
+        if (
+            self.input is None
+            and not self.instructions
+            and not self.previous_response_id
+            and self.conversation is None
+        ):
             raise APIError(
                 400,
                 "input or instructions is needed: there is no prompt to count",

@@ -20,6 +20,7 @@ from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import TokenText, failure, new_id, run_to_end, start
 from trio_mlx.http.objects import (
+    ConversationRef,
     ErrorDetail,
     FunctionCallItem,
     IncompleteDetails,
@@ -68,11 +69,13 @@ async def start_response(
     record.prompt_tokens = active.stream.prompt_tokens
     reasons = active.stream.splits_reasoning
     plan = prompt.plan
+    turn = prompt.conversation
     keeper = ResponseKeeper(
         prompt.items,
         prompt.previous,
         state.responses if body.stored else None,
         connection,
+        turn.appender(prompt.request_items) if turn is not None else None,
     )
     # A whole response with tools reads its reply a second time, output by output as a stream
     # does, to tell the tokens of its text and reasoning from its calls' (`ReplyTokens`).
@@ -216,6 +219,7 @@ class ResponseRun:
             if failed is not None:
                 error = ErrorDetail(**failed["error"])
         body = self.body
+        conversation = body.conversation_id
         return ResponseObject(
             id=self.id,
             created_at=self.created_at,
@@ -223,6 +227,7 @@ class ResponseRun:
             model=self.model,
             output=output,
             previous_response_id=body.previous_response_id,
+            conversation=ConversationRef(id=conversation) if conversation is not None else None,
             store=body.stored,
             background=body.background is True,
             truncation=body.truncation or "disabled",

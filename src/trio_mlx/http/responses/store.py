@@ -179,7 +179,8 @@ class ConnectionCache:
 class ResponseKeeper:
     """Where one response goes when it ends: the server's store (None: `store` false) and its
     connection's cache (None: not on a WebSocket), with the conversation it had (`input_items`,
-    asked for only when it is kept)."""
+    asked for only when it is kept); and what else is told of it (`ended`: its conversation's
+    append, `http/conversations/turn.py`)."""
 
     def __init__(
         self,
@@ -187,20 +188,24 @@ class ResponseKeeper:
         previous: StoredResponse | None,
         store: ResponseStore | None,
         connection: ConnectionCache | None,
+        ended: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self._input_items = input_items
         self._previous = previous
         self._store = store if store is not None and store.enabled else None
         self._connection = connection
+        self._ended = ended
 
     @property
     def keeps(self) -> bool:
-        """Whether a response that ends well is kept anywhere."""
-        return self._store is not None or self._connection is not None
+        """Whether a response that ends well is kept anywhere (or told to `ended`)."""
+        return self._store is not None or self._connection is not None or self._ended is not None
 
     def keep(self, response: dict[str, Any]) -> None:
         """Keep a response that ended completed or incomplete (its object, dumped)."""
-        if not self.keeps:
+        if self._ended is not None:
+            self._ended(response)
+        if self._store is None and self._connection is None:
             return
         stored = StoredResponse.of(response, self._input_items(), self._previous)
         if self._store is not None:
