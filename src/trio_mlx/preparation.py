@@ -6,6 +6,10 @@ model's context (`PromptTooLong`), caps `max_tokens` to the room left, and sets 
 processors (the caller's, plus the thinking budget) and reasoning separation. Tokenizer work only:
 no MLX, nothing is admitted or generated yet.
 
+What a caller asked for travels from the engine's entry points to here as one object:
+`GenerateArgs` (a prompt) or `ChatArgs` (messages), each with its `SamplingArgs`, as given,
+unvalidated; `RequestPreparer` validates them.
+
 Where it runs: tokenizing and rendering a chat template cost time in proportion to the prompt
 (seconds for a body of a few MiB), so the engine runs them on a worker thread
 (`Engine.prepare_*_async`); before that, `check_text_length` refuses on the calling thread, in
@@ -20,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from trio_mlx.engine.decode import LogitsProcessor
@@ -34,7 +38,7 @@ from trio_mlx.engine.thinking import ThinkingBudget
 from trio_mlx.errors import InvalidRequest, PromptTooLong
 from trio_mlx.structured.compiler import CompiledGrammar, GrammarCompiler
 from trio_mlx.structured.formats import OutputFormat
-from trio_mlx.types import SamplingParams
+from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, SamplingParams
 
 DEFAULT_THINK_TAGS = ("<think>", "</think>")
 
@@ -66,6 +70,47 @@ class SamplingOptions(TypedDict, total=False):
     output_format: OutputFormat | None
     specprefill: bool | None
     specprefill_keep_pct: float | None
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """How a caller asked a request to be sampled, exactly as given to an `Engine` entry point
+    (`generate`, `start_chat`, `prepare_chat_async`, ...): nothing is validated or defaulted
+    here beyond the public defaults, so a bad value is refused where it always was, by
+    `RequestPreparer` (`max_tokens=None`: the engine's default; `options`: the keyword
+    options, unknown ones included, which `RequestPreparer` refuses with a `TypeError`)."""
+
+    max_tokens: int | None = None
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    stop: str | Sequence[str] | None = None
+    options: SamplingOptions = field(default_factory=SamplingOptions)
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A completion request as a caller asked for it: the prompt (text, or token ids) and how
+    to sample it. What each layer from `Engine.generate` down to `RequestPreparer.text` passes
+    on, unvalidated."""
+
+    prompt: str | Sequence[int]
+    sampling: SamplingArgs
+
+
+@dataclass(frozen=True)
+class ChatArgs:
+    """A chat request as a caller asked for it: the messages, how to sample the reply, the
+    tools and chat-template keywords for the template, and vllm-mlx's `images=` / `videos=`
+    (media added to the last user message; only the async preparation takes media). What each
+    layer from `Engine.chat` down to `RequestPreparer.chat` (or `multimodal.prepare`) passes
+    on, unvalidated."""
+
+    messages: Sequence[Mapping[str, Any]]
+    sampling: SamplingArgs
+    tools: Sequence[Mapping[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    images: Sequence[Any] | None = None
+    videos: Sequence[Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,16 +187,9 @@ class RequestPreparer:
                     chars += _content_chars(message.get("content"))
         self.check_text_length(chars, "messages")
 
-    def text(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int | None,
-        temperature: float,
-        top_p: float,
-        stop: str | Sequence[str] | None,
-        options: SamplingOptions,
-    ) -> PreparedRequest:
+    def text(self, args: GenerateArgs) -> PreparedRequest:
+        """A text prompt (BOS added as the tokenizer does) or the caller's token ids."""
+        prompt = args.prompt
         if isinstance(prompt, str):
             self.check_text_length(len(prompt), "prompt")
         with self._lock:
@@ -159,35 +197,23 @@ class RequestPreparer:
                 tokens = encode_text(self.tokenizer, prompt)
             else:
                 tokens = check_token_ids(prompt, self.vocab_size)
-            return self._prepare(tokens, "prompt", max_tokens, temperature, top_p, stop, options)
+            return self._prepare(tokens, "prompt", args.sampling)
 
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int | None,
-        temperature: float,
-        top_p: float,
-        stop: str | Sequence[str] | None,
-        tools: Sequence[Mapping[str, Any]] | None,
-        chat_template_kwargs: Mapping[str, Any] | None,
-        options: SamplingOptions,
-        find_system_prefix: bool = False,
-    ) -> PreparedRequest:
-        """With `find_system_prefix`, the request also carries `system_prefix` (see there)."""
-        self.check_chat_length(messages)
+    def chat(self, args: ChatArgs, *, find_system_prefix: bool = False) -> PreparedRequest:
+        """The messages through the chat template (`args.images` / `args.videos` are not looked
+        at: media are `multimodal.prepare`'s). With `find_system_prefix`, the request also
+        carries `system_prefix` (see there)."""
+        self.check_chat_length(args.messages)
         with self._lock:
             prompt = chat_prompt(
                 self.tokenizer,
-                messages,
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
+                args.messages,
+                tools=args.tools,
+                chat_template_kwargs=args.chat_template_kwargs,
                 find_system_prefix=find_system_prefix,
                 known_systems=self.known_systems if find_system_prefix else None,
             )
-            request = self._prepare(
-                prompt.tokens, "messages", max_tokens, temperature, top_p, stop, options
-            )
+            request = self._prepare(prompt.tokens, "messages", args.sampling)
         if prompt.system_prefix is None:
             return request
         return dataclasses.replace(request, system_prefix=prompt.system_prefix)
@@ -208,15 +234,12 @@ class RequestPreparer:
         return len(prompt.tokens)
 
     def _prepare(
-        self,
-        tokens: list[int],
-        prompt_param: str,
-        max_tokens: int | None,
-        temperature: float,
-        top_p: float,
-        stop: str | Sequence[str] | None,
-        options: SamplingOptions,
+        self, tokens: list[int], prompt_param: str, sampling: SamplingArgs
     ) -> PreparedRequest:
+        """Validate `sampling` and check `tokens` (the prompt, named `prompt_param` in a
+        refusal) against the context. The caller holds `_lock`."""
+        max_tokens, temperature, top_p = sampling.max_tokens, sampling.temperature, sampling.top_p
+        stop, options = sampling.stop, sampling.options
         unknown = set(options) - set(SamplingOptions.__annotations__)
         if unknown:
             raise TypeError(f"unknown generation options: {sorted(unknown)}")

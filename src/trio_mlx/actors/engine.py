@@ -13,7 +13,7 @@ A request goes through three stages, each of which can refuse it before anything
 3. iterating the stream: `GenerationOutput`s until one has `finished=True`.
 
 `start_chat` / `start_generate` are stages 1 and 2 in one call, and what every surface uses (the
-convenience API below, the HTTP routes): the request enters admission, and if admitted goes to
+convenience API, the HTTP routes): the request enters admission, and if admitted goes to
 the runner, on the Trio thread the moment the worker has prepared it, in the worker's order, so
 requests are admitted in the order they arrived, whatever order the Trio scheduler wakes their
 callers in afterwards. A caller that goes away meanwhile leaves nothing: its preparation never
@@ -31,8 +31,13 @@ arrivals of a burst wait, prefilled, for the rest before they decode (`batch_loo
 would had they all arrived at once.
 
 `generate`, `stream_generate`, `chat` and `stream_chat` are the convenience API on top (the
-vllm-mlx `SimpleEngine` surface). Sampling defaults are `DEFAULT_TEMPERATURE` / `DEFAULT_TOP_P`
-(OpenAI's 1.0 / 1.0), the same on every surface.
+vllm-mlx `SimpleEngine` surface), inherited from `engine_convenience.ConvenienceAPI`. Sampling
+defaults are `DEFAULT_TEMPERATURE` / `DEFAULT_TOP_P` (OpenAI's 1.0 / 1.0), the same on every
+surface.
+
+Each entry point bundles its keyword arguments once, into a `GenerateArgs` / `ChatArgs`
+(`preparation`), and every layer below it (`_start_chat`, `_prepare_chat_async`,
+`RequestPreparer.chat`, ...) passes that one object on.
 
 Prefix KV cache: requests whose prompt starts with tokens already computed (a shared system
 prompt, the previous turn of a conversation, a retry) prefill only the new tokens; see
@@ -54,31 +59,40 @@ from typing import Any, Unpack
 import trio
 
 from trio_mlx.actors.admission import AdmissionController, Lease, Waiter
+from trio_mlx.actors.engine_convenience import ConvenienceAPI
 from trio_mlx.actors.engine_prepare import PrepareStage
 from trio_mlx.actors.engine_stats import FinishedRequests, cache_stats, engine_stats
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo
-from trio_mlx.actors.request import ActiveRequest, GenerationStream
+from trio_mlx.actors.request import ActiveRequest
 from trio_mlx.actors.runner import Runner
 from trio_mlx.actors.stream import RequestStream, TokenSink
 from trio_mlx.config import EngineConfig
 from trio_mlx.engine.decode import GenerationJob
 from trio_mlx.engine.scheduling import kv_bytes_at_limit
-from trio_mlx.errors import EngineClosed, EngineCrashed, GenerationError
+from trio_mlx.errors import EngineClosed, EngineCrashed
 from trio_mlx.multimodal.job import MultimodalJob
 from trio_mlx.multimodal.parts import has_media
 from trio_mlx.multimodal.prepare import MultimodalRequest
-from trio_mlx.preparation import PreparedRequest, ReasoningTags, SamplingOptions
+from trio_mlx.preparation import (
+    ChatArgs,
+    GenerateArgs,
+    PreparedRequest,
+    ReasoningTags,
+    SamplingArgs,
+    SamplingOptions,
+)
 from trio_mlx.text.detokenizer import decoder_for
 from trio_mlx.text.reasoning import ReasoningSplitter
 from trio_mlx.tools.registry import MARKUP_TOKENS
-from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, GenerationOutput
+from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 
-class Engine(PrepareStage):
+class Engine(PrepareStage, ConvenienceAPI):
     """A loaded model behind admission control and the runner thread. Safe to share between
     tasks of the Trio run that opened it. Stage 1 (`prepare_*`, `count_chat_tokens_async`) is
-    inherited from `PrepareStage` (`engine_prepare`)."""
+    inherited from `PrepareStage` (`engine_prepare`), the convenience API (`generate`,
+    `stream_generate`, `chat`, `stream_chat`) from `ConvenienceAPI` (`engine_convenience`)."""
 
     def __init__(
         self,
@@ -161,40 +175,9 @@ class Engine(PrepareStage):
         moment its preparation is done, before any request that arrived after it (media are
         fetched first, so a chat with media enters when they are processed). The caller must
         `close()` the result. Raises what either step raises."""
-        self._check_alive()
-        if images or videos or has_media(messages):
-            try:
-                request = await self.prepare_chat_async(
-                    messages,
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    stop=stop,
-                    tools=tools,
-                    chat_template_kwargs=chat_template_kwargs,
-                    images=images,
-                    videos=videos,
-                    **options,
-                )
-            finally:
-                if arrival is not None:
-                    arrival.done()
-            return await self.start_request(request)
-        self._preparer.check_chat_length(messages)
-        return await self._start_in_order(
-            partial(
-                self.prepare_chat,
-                messages,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
-                **options,
-            ),
-            arrival,
-        )
+        sampling = SamplingArgs(max_tokens, temperature, top_p, stop, options)
+        args = ChatArgs(messages, sampling, tools, chat_template_kwargs, images, videos)
+        return await self._start_chat(args, arrival)
 
     async def start_generate(
         self,
@@ -209,21 +192,30 @@ class Engine(PrepareStage):
     ) -> ActiveRequest:
         """`prepare_generate_async` then `start_request`, with admission in arrival order (see
         `start_chat`). The caller must `close()` the result."""
+        sampling = SamplingArgs(max_tokens, temperature, top_p, stop, options)
+        return await self._start_generate(GenerateArgs(prompt, sampling), arrival)
+
+    async def _start_chat(self, args: ChatArgs, arrival: Arrival | None = None) -> ActiveRequest:
+        """`start_chat` for a request already bundled (also `ConvenienceAPI`'s hook)."""
         self._check_alive()
-        if isinstance(prompt, str):
-            self._preparer.check_text_length(len(prompt), "prompt")
-        return await self._start_in_order(
-            partial(
-                self.prepare_generate,
-                prompt,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                **options,
-            ),
-            arrival,
-        )
+        if args.images or args.videos or has_media(args.messages):
+            try:
+                request = await self._prepare_chat_async(args)
+            finally:
+                if arrival is not None:
+                    arrival.done()
+            return await self.start_request(request)
+        self._preparer.check_chat_length(args.messages)
+        return await self._start_in_order(partial(self._prepare_chat, args), arrival)
+
+    async def _start_generate(
+        self, args: GenerateArgs, arrival: Arrival | None = None
+    ) -> ActiveRequest:
+        """`start_generate` for a request already bundled (also `ConvenienceAPI`'s hook)."""
+        self._check_alive()
+        if isinstance(args.prompt, str):
+            self._preparer.check_text_length(len(args.prompt), "prompt")
+        return await self._start_in_order(partial(self._prepare_generate, args), arrival)
 
     def arriving(self) -> Arrival:
         """Note a request on its way (from the moment it is known, e.g. an HTTP request's
@@ -334,118 +326,6 @@ class Engine(PrepareStage):
         if self._closed:
             raise EngineClosed("the engine is closed")
 
-    # ---- the convenience API ---------------------------------------------------------------------
-
-    def stream_generate(
-        self,
-        prompt: str | Sequence[int],
-        max_tokens: int | None = None,
-        temperature: float = DEFAULT_TEMPERATURE,
-        top_p: float = DEFAULT_TOP_P,
-        stop: str | Sequence[str] | None = None,
-        **options: Unpack[SamplingOptions],
-    ) -> GenerationStream:
-        """Stream a completion of `prompt` (text, or token ids): `async for out in ...`.
-
-        Preparation (off the event loop) and admission happen on the first iteration, so
-        validation errors and refusals raise there. Dropping the stream early (break,
-        `aclose()`, cancellation) aborts the request.
-        """
-
-        async def start() -> ActiveRequest:
-            return await self.start_generate(
-                prompt,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                **options,
-            )
-
-        return GenerationStream(start)
-
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        max_tokens: int | None = None,
-        temperature: float = DEFAULT_TEMPERATURE,
-        top_p: float = DEFAULT_TOP_P,
-        stop: str | Sequence[str] | None = None,
-        **options: Unpack[SamplingOptions],
-    ) -> GenerationOutput:
-        """The whole completion of `prompt`. Raises `GenerationError` if the model failed."""
-        active = await self.start_generate(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            **options,
-        )
-        return await _run_to_end(active)
-
-    def stream_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        max_tokens: int | None = None,
-        temperature: float = DEFAULT_TEMPERATURE,
-        top_p: float = DEFAULT_TOP_P,
-        stop: str | Sequence[str] | None = None,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        images: Sequence[Any] | None = None,
-        videos: Sequence[Any] | None = None,
-        **options: Unpack[SamplingOptions],
-    ) -> GenerationStream:
-        """Stream the assistant's reply to `messages` (see `stream_generate`; media: see
-        `prepare_chat_async`)."""
-
-        async def start() -> ActiveRequest:
-            return await self.start_chat(
-                messages,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
-                images=images,
-                videos=videos,
-                **options,
-            )
-
-        return GenerationStream(start)
-
-    async def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        max_tokens: int | None = None,
-        temperature: float = DEFAULT_TEMPERATURE,
-        top_p: float = DEFAULT_TOP_P,
-        stop: str | Sequence[str] | None = None,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        images: Sequence[Any] | None = None,
-        videos: Sequence[Any] | None = None,
-        **options: Unpack[SamplingOptions],
-    ) -> GenerationOutput:
-        """The assistant's whole reply. Raises `GenerationError` if the model failed."""
-        active = await self.start_chat(
-            messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-            images=images,
-            videos=videos,
-            **options,
-        )
-        return await _run_to_end(active)
-
     # ---- statistics ---------------------------------------------------------------------------
 
     def get_cache_stats(self) -> dict[str, Any]:
@@ -526,19 +406,6 @@ def _give_up(entry: ActiveRequest | _Queued) -> None:
         entry.close()
     else:
         entry.admission.leave(entry.request_id, entry.waiter)
-
-
-async def _run_to_end(active: ActiveRequest) -> GenerationOutput:
-    """Iterate an admitted request to its final output, then close it (however that ends)."""
-    try:
-        async for output in active.stream:
-            if output.finished:
-                if output.finish_reason == "error":
-                    raise GenerationError(output.error or "generation failed")
-                return output
-    finally:
-        active.close()
-    raise AssertionError("a request stream ended without a final output")  # pragma: no cover
 
 
 class Arrival:

@@ -22,6 +22,11 @@ these are the engine's own public methods; nothing here admits or generates anyt
 - `count_chat_tokens_async`: the prompt's length as `prepare_chat` would build it, on the same
   worker.
 
+Each public method bundles its arguments into one `GenerateArgs` / `ChatArgs` (`preparation`)
+and hands it to its private twin (`_prepare_generate`, `_prepare_chat_async`, ...), which is
+what the lower layers and `Engine.start_*` pass along; validation happens below, in
+`RequestPreparer`, as before.
+
 Refusals raise here, before admission: `InvalidRequest`, `PromptTooLong` (`preparation`).
 """
 
@@ -38,7 +43,14 @@ from trio_mlx.config import EngineConfig
 from trio_mlx.errors import InvalidRequest
 from trio_mlx.multimodal.parts import first_media_param, has_media
 from trio_mlx.multimodal.prepare import prepare_multimodal_chat
-from trio_mlx.preparation import PreparedRequest, RequestPreparer, SamplingOptions
+from trio_mlx.preparation import (
+    ChatArgs,
+    GenerateArgs,
+    PreparedRequest,
+    RequestPreparer,
+    SamplingArgs,
+    SamplingOptions,
+)
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 
@@ -71,14 +83,8 @@ class PrepareStage:
         **options: Unpack[SamplingOptions],
     ) -> PreparedRequest:
         """A text prompt (BOS added as the tokenizer does) or the caller's token ids."""
-        return self._preparer.text(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            options=options,
-        )
+        sampling = SamplingArgs(max_tokens, temperature, top_p, stop, options)
+        return self._prepare_generate(GenerateArgs(prompt, sampling))
 
     def prepare_chat(
         self,
@@ -99,23 +105,8 @@ class PrepareStage:
         start from it. Messages with images or video need `prepare_chat_async` (their media are
         fetched).
         """
-        if has_media(messages):
-            self._refuse_media(messages)
-            raise InvalidRequest(
-                "messages with images or video are prepared by prepare_chat_async",
-                param=first_media_param(messages),
-            )
-        return self._preparer.chat(
-            messages,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-            options=options,
-            find_system_prefix=self._kv_cache.enabled,
-        )
+        sampling = SamplingArgs(max_tokens, temperature, top_p, stop, options)
+        return self._prepare_chat(ChatArgs(messages, sampling, tools, chat_template_kwargs))
 
     async def prepare_generate_async(
         self,
@@ -132,19 +123,8 @@ class PrepareStage:
         refused first, without tokenizing. Preparations run one at a time, in the order they
         were asked for (`prepare_queue`). Cancelling the caller abandons the preparation: one
         not yet started never runs; one running is finished and its result dropped."""
-        if isinstance(prompt, str):
-            self._preparer.check_text_length(len(prompt), "prompt")
-        return await self._preparing.run(
-            partial(
-                self.prepare_generate,
-                prompt,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                **options,
-            )
-        )
+        sampling = SamplingArgs(max_tokens, temperature, top_p, stop, options)
+        return await self._prepare_generate_async(GenerateArgs(prompt, sampling))
 
     async def prepare_chat_async(
         self,
@@ -169,39 +149,46 @@ class PrepareStage:
         vision-language model: fetched under `EngineConfig.media`, processed off the event loop
         (`multimodal.prepare`). A text-only model refuses them (`InvalidRequest` naming the
         part)."""
-        self._preparer.check_chat_length(messages)
-        if images or videos or has_media(messages):
+        sampling = SamplingArgs(max_tokens, temperature, top_p, stop, options)
+        args = ChatArgs(messages, sampling, tools, chat_template_kwargs, images, videos)
+        return await self._prepare_chat_async(args)
+
+    # ---- the same four, for a request already bundled (what `Engine.start_*` call) ----------
+
+    def _prepare_generate(self, args: GenerateArgs) -> PreparedRequest:
+        """`prepare_generate`, on the calling thread."""
+        return self._preparer.text(args)
+
+    def _prepare_chat(self, args: ChatArgs) -> PreparedRequest:
+        """`prepare_chat`, on the calling thread (`args` without `images` / `videos`)."""
+        if has_media(args.messages):
+            self._refuse_media(args.messages)
+            raise InvalidRequest(
+                "messages with images or video are prepared by prepare_chat_async",
+                param=first_media_param(args.messages),
+            )
+        return self._preparer.chat(args, find_system_prefix=self._kv_cache.enabled)
+
+    async def _prepare_generate_async(self, args: GenerateArgs) -> PreparedRequest:
+        """`prepare_generate_async`: the length check here, the rest on the worker."""
+        if isinstance(args.prompt, str):
+            self._preparer.check_text_length(len(args.prompt), "prompt")
+        return await self._preparing.run(partial(self._prepare_generate, args))
+
+    async def _prepare_chat_async(self, args: ChatArgs) -> PreparedRequest:
+        """`prepare_chat_async`: the length check here, then the media path or the worker."""
+        self._preparer.check_chat_length(args.messages)
+        if args.images or args.videos or has_media(args.messages):
             if self.info.multimodal is None:
-                self._refuse_media(messages, images, videos)
+                self._refuse_media(args.messages, args.images, args.videos)
             return await prepare_multimodal_chat(
                 self.info.multimodal,
                 self._preparer,
                 self._preparing,
-                messages,
+                args,
                 self.config.media,
-                images=images,
-                videos=videos,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
-                options=options,
             )
-        return await self._preparing.run(
-            partial(
-                self.prepare_chat,
-                messages,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                stop=stop,
-                tools=tools,
-                chat_template_kwargs=chat_template_kwargs,
-                **options,
-            )
-        )
+        return await self._preparing.run(partial(self._prepare_chat, args))
 
     def _refuse_media(
         self,

@@ -35,7 +35,7 @@ from trio_mlx.multimodal.media import (
     media_error,
 )
 from trio_mlx.multimodal.parts import MediaRef, add_media, split_media
-from trio_mlx.preparation import PreparedRequest, RequestPreparer, SamplingOptions
+from trio_mlx.preparation import ChatArgs, PreparedRequest, RequestPreparer
 
 if TYPE_CHECKING:
     from trio_mlx.actors.prepare_queue import PreparationQueue
@@ -221,16 +221,11 @@ def render_and_process(
     refs: Sequence[MediaRef],
     loaded: Sequence[Any],
     policy: MediaPolicy,
-    *,
-    max_tokens: int | None,
-    temperature: float,
-    top_p: float,
-    stop: str | Sequence[str] | None,
-    tools: Sequence[Mapping[str, Any]] | None,
-    chat_template_kwargs: Mapping[str, Any] | None,
-    options: SamplingOptions,
+    args: ChatArgs,
 ) -> MultimodalRequest:
-    """On a worker thread: decode, template, process, validate (see the module)."""
+    """On a worker thread: decode, template, process, validate (see the module). Of `args`,
+    the tools, the chat-template keywords and the sampling are used here (its messages and
+    media arrive as `templated`, `refs` and `loaded`)."""
     images: list[Any] = []
     videos: list[list[Any]] = []
     for ref, data in zip(refs, loaded, strict=True):
@@ -243,9 +238,9 @@ def render_and_process(
                 raise InvalidRequest("a video must be given as a URL or a path", param=ref.param)
             videos.append(decode_video(data, ref.param, policy))
     processor = vlm.processor
-    kwargs = dict(chat_template_kwargs or {})
-    if tools:
-        kwargs["tools"] = list(tools)
+    kwargs = dict(args.chat_template_kwargs or {})
+    if args.tools:
+        kwargs["tools"] = list(args.tools)
     try:
         prompt = template_owner(processor).apply_chat_template(
             templated, tokenize=False, add_generation_prompt=True, **kwargs
@@ -267,7 +262,7 @@ def render_and_process(
         arrays = {k: _numpy(v) for k, v in dict(out).items()}
         ids = np.asarray(arrays.pop("input_ids")).reshape(-1).tolist()
         arrays.pop("attention_mask", None)
-        request = preparer._prepare(ids, "messages", max_tokens, temperature, top_p, stop, options)
+        request = preparer._prepare(ids, "messages", args.sampling)
     media_ids = frozenset(t for t in (vlm.image_token_id, vlm.video_token_id) if t is not None)
     media_key, per_medium = media_hashes(arrays)
     vision = VisionInputs(
@@ -287,41 +282,18 @@ async def prepare_multimodal_chat(
     vlm: VisionProcessing,
     preparer: RequestPreparer,
     worker: PreparationQueue,
-    messages: Sequence[Mapping[str, Any]],
+    args: ChatArgs,
     policy: MediaPolicy,
-    *,
-    images: Sequence[Any] | None = None,
-    videos: Sequence[Any] | None = None,
-    max_tokens: int | None,
-    temperature: float,
-    top_p: float,
-    stop: str | Sequence[str] | None,
-    tools: Sequence[Mapping[str, Any]] | None,
-    chat_template_kwargs: Mapping[str, Any] | None,
-    options: SamplingOptions,
 ) -> MultimodalRequest:
-    """The whole of stage one for a chat with media (see the module). Cancelling the caller
+    """The whole of stage one for a chat with media (`args.messages`, and `args.images` /
+    `args.videos` added to the last user message; see the module). Cancelling the caller
     stops a fetch at once; decoding and processing on the worker are abandoned (as the text
     path's tokenization)."""
-    templated, refs = split_media(add_media(messages, images, videos))
+    templated, refs = split_media(add_media(args.messages, args.images, args.videos))
     check_media(refs, vlm, policy)
     loaded = await load_media(refs, policy)
 
     def work() -> MultimodalRequest:
-        return render_and_process(
-            vlm,
-            preparer,
-            templated,
-            refs,
-            loaded,
-            policy,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            stop=stop,
-            tools=tools,
-            chat_template_kwargs=chat_template_kwargs,
-            options=options,
-        )
+        return render_and_process(vlm, preparer, templated, refs, loaded, policy, args)
 
     return await worker.run(work)
