@@ -20,9 +20,7 @@ on the server's settings, which a static document cannot state:
   there are none), and two tools of one name;
 - a `previous_response_id` naming no response the server has stored (code
   `previous_response_not_found`), or an item list's `after` naming no item of the list (code
-  `after_not_found`): which responses and items exist is the server's state;
-- an Anthropic `thinking.budget_tokens` at or above `max_tokens` (Anthropic's rule): a relation
-  between two fields, which a schema cannot state.
+  `after_not_found`): which responses and items exist is the server's state.
 
 Each of them is a 400 whose `param` names the field and whose message says which limit (under
 /v1/messages, Anthropic's error shape: the field leads the message); any other refusal of valid
@@ -87,8 +85,6 @@ def depends_on_model_or_settings(response: Response) -> bool:
     if "chat template does not render tool messages" in message:
         return True
     if param in ("response_format", "text.format") and code == "invalid_output_format":
-        return True
-    if param == "max_tokens" and "must be greater than thinking.budget_tokens" in message:
         return True
     return param in ("prompt", "logit_bias") and "vocabulary" in message
 

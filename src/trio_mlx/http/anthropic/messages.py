@@ -81,18 +81,7 @@ def check_supported(body: CountTokensRequest) -> None:
 
 def check_served(body: MessagesRequest) -> None:
     """Refuse what a Messages request asks of Anthropic's servers that this one does not do:
-    hold a `thread` between requests, connect to `mcp_servers`; and a thinking budget that
-    leaves no room for the answer (Anthropic's rule: `max_tokens` above `budget_tokens`)."""
-    thinking = body.thinking
-    budget = thinking.budget_tokens if thinking is not None and thinking.type == "enabled" else None
-    if budget is not None and budget >= body.max_tokens:
-        raise APIError(
-            400,
-            f"max_tokens ({body.max_tokens}) must be greater than thinking.budget_tokens "
-            f"({budget}): the thinking budget counts within max_tokens",
-            param="max_tokens",
-            code="invalid_value",
-        )
+    hold a `thread` between requests, connect to `mcp_servers`."""
     if body.thread is not None:
         raise APIError(
             400,
