@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ os.environ.setdefault("TRIO_MLX_BLAS", "reference")
 import trio_mlx
 from tiny_model import build_tiny_model
 from tiny_vlm import build_tiny_vlm
+from trio_mlx.engine import sampling
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -33,6 +35,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def long_run(request: pytest.FixtureRequest) -> bool:
     """True under `--long`: reliability tests scale their counts up."""
     return bool(request.config.getoption("--long"))
+
+
+@pytest.fixture(autouse=True)
+def unseeded_draws_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests that name no seed draw from seeds 1, 2, 3, ... (in the order their samplers are
+    made) instead of fresh random ones, in every test. A request sampled at temperature > 0
+    without a seed (the Anthropic route's default: temperature 1.0) otherwise draws differently
+    on each run, and a test whose outcome rests on the random model's sampled choices passes
+    or fails with luck (the forced-call test fixed in 10bec54 failed ~1 run in 20, with or
+    without CPU load). Pinned, such a test fails or passes every time. docs/determinism.md."""
+    counter = itertools.count(1)
+    monkeypatch.setattr(sampling, "fresh_seed", lambda: next(counter))
 
 
 @pytest.fixture(scope="session")

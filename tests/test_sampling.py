@@ -18,7 +18,8 @@ from mlx_lm.models.cache import RotatingKVCache
 
 import trio_mlx
 from model_wrappers import ScriptedModel, wrapping_loader
-from trio_mlx.engine.sampling import TokenSelector
+from trio_mlx.engine import sampling
+from trio_mlx.engine.sampling import TokenSelector, fresh_seed
 from trio_mlx.types import SamplingParams
 
 PROMPT = "The meaning of life is"
@@ -82,6 +83,26 @@ async def test_top_k_1_is_greedy(engine: trio_mlx.Engine) -> None:
     greedy = await engine.generate(PROMPT, max_tokens=12, temperature=0.0)
     sampled = await engine.generate(PROMPT, max_tokens=12, temperature=1.0, top_p=1.0, top_k=1)
     assert sampled.tokens == greedy.tokens
+
+
+async def test_a_request_without_a_seed_draws_from_fresh_seed(
+    engine: trio_mlx.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unseeded request's draws come from `sampling.fresh_seed()` (random in a server; the
+    suite pins it, `conftest.unseeded_draws_repeat`): the seed it gives draws what a request
+    naming that seed draws."""
+    monkeypatch.setattr(sampling, "fresh_seed", lambda: 4242)
+    hot = {"max_tokens": 24, "temperature": 2.0, "top_p": 1.0}
+    unseeded = await engine.generate(PROMPT, **hot)
+    seeded = await engine.generate(PROMPT, **hot, seed=4242)
+    other = await engine.generate(PROMPT, **hot, seed=4243)
+    assert unseeded.tokens == seeded.tokens != other.tokens
+
+
+def test_outside_the_suite_each_unseeded_request_gets_a_seed_of_its_own() -> None:
+    # `fresh_seed` as imported at collection, before the conftest fixture pins the module's
+    assert len({fresh_seed() for _ in range(8)}) == 8
+    assert sampling.fresh_seed is not fresh_seed  # pinned in this test
 
 
 async def test_a_large_logit_bias_forces_a_token(engine: trio_mlx.Engine) -> None:

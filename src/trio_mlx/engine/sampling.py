@@ -21,6 +21,13 @@ from trio_mlx.types import SamplingParams
 _NEG_INF = float("-inf")
 
 
+def fresh_seed() -> int:
+    """The seed of a request that names none: a fresh random one, so that two such requests draw
+    independently. (The test suite pins it, `tests/conftest.py`: a test's unseeded draws then
+    repeat from run to run instead of varying with luck; docs/determinism.md.)"""
+    return secrets.randbits(63)
+
+
 class TokenSelector:
     """Chooses the next token for one sequence according to its `SamplingParams`."""
 
@@ -44,7 +51,7 @@ class TokenSelector:
             self._counts = mx.zeros((vocab_size,), dtype=mx.float32)
         self._key: Any = None
         if params.temperature > 0.0:
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            seed = params.seed if params.seed is not None else fresh_seed()
             # Any integer is a seed (OpenAI's are signed 64-bit); MLX keys take 0..2**64-1.
             self._key = mx.random.key(seed % (1 << 64))
 
