@@ -366,25 +366,28 @@ async def test_forced_calls_fed_back_then_a_structured_answer(
 ) -> None:
     """The full loop on the random model: `tool_choice="required"` forces the first turn's
     call(s), the SDK runs them and sends the results back with `tool_choice` reset to auto, and
-    the second turn's answer is the output type's object (the json_schema format ends it)."""
+    the second turn's answer is the output type's object (the json_schema format ends it).
+    Streamed, greedy, the same calls, answer and usage."""
     calls = Calls()
     tools = calls.tools()
     schemas = {tool.name: tool.params_json_schema for tool in tools}  # type: ignore[union-attr]
 
-    async def work(client: openai.AsyncOpenAI) -> agents.RunResult:
+    async def work(client: openai.AsyncOpenAI) -> list[agents.RunResultBase]:
         agent = Agent(
             name="clock",
             instructions="Use the tools, then describe the city.",
             model=model_for(api, client),
             model_settings=ROOMY.resolve(
-                ModelSettings(tool_choice="required", parallel_tool_calls=parallel)
+                ModelSettings(
+                    tool_choice="required", parallel_tool_calls=parallel, include_usage=True
+                )
             ),
             tools=tools,
             output_type=City,
         )
-        return await Runner.run(agent, "Describe Paris.")
+        return [await run_agent(agent, "Describe Paris.", stream) for stream in (False, True)]
 
-    result = await in_asyncio(server, work)
+    result, streamed = await in_asyncio(server, work)
     assert isinstance(result.final_output, City)
     assert len(result.raw_responses) == 2
     kinds = [item.type for item in result.new_items]
@@ -393,11 +396,20 @@ async def test_forced_calls_fed_back_then_a_structured_answer(
     assert kinds == ["tool_call_item"] * count + ["tool_call_output_item"] * count + [
         "message_output_item"
     ]
-    assert len(calls.made) == count
+    assert calls.made[:count] == calls.made[count:]  # the streamed run's calls: the same
     raw_calls = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
-    for (name, arguments), raw in zip(calls.made, raw_calls, strict=True):
+    for (name, arguments), raw in zip(calls.made[:count], raw_calls, strict=True):
         jsonschema.validate(arguments, schemas[name])
-        assert raw.name == name and json.loads(raw.arguments) == arguments  # type: ignore[union-attr]
+        assert raw.name == name and json.loads(raw.arguments) == arguments
+
+    assert streamed.final_output == result.final_output
+    assert [item.type for item in streamed.new_items] == kinds
+    usage, whole_usage = streamed.context_wrapper.usage, result.context_wrapper.usage
+    assert (usage.requests, usage.input_tokens, usage.output_tokens) == (
+        2,
+        whole_usage.input_tokens,
+        whole_usage.output_tokens,
+    )
     await idle(server)
 
 
