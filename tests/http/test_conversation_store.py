@@ -76,3 +76,21 @@ def test_a_store_of_size_0_makes_none() -> None:
     with pytest.raises(APIError) as refused:
         ConversationStore(0).create(None)
     assert refused.value.status == 400
+
+
+def test_metadata_that_would_outgrow_the_budget_is_refused() -> None:
+    """`POST /v1/conversations/{id}` replaces the metadata: metadata that would make the
+    conversation larger than the whole budget is refused (400), as items are; the store never
+    holds more than its bound."""
+    store = ConversationStore(10, 300)
+    conversation = store.create({"a": "b"}, [message("m1")])
+    large = {f"key{n}": "v" * 100 for n in range(16)}  # within OpenAI's 16 keys of 512 chars
+    with pytest.raises(APIError) as refused:
+        store.set_metadata(conversation, large)
+    assert refused.value.status == 400 and refused.value.param == "metadata"
+    assert conversation.metadata == {"a": "b"}  # unchanged
+    assert store.statistics().bytes == conversation.size <= 300
+    with pytest.raises(APIError) as refused:
+        store.create(large)
+    assert refused.value.status == 400 and refused.value.param == "metadata"
+    assert store.statistics().conversations == 1

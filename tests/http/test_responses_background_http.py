@@ -8,6 +8,8 @@ greedy, the two write the same text.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,9 @@ from openai.types.responses import Response
 from idle import wait_until_idle
 from model_wrappers import FaultyModel, wrapping_loader
 from servers import running_server
+from trio_mlx.http.errors import APIError
+from trio_mlx.http.responses.background import BackgroundResponses
+from trio_mlx.http.responses.store import ResponseStore, StoredResponse
 from trio_mlx.http.server import RunningServer, serve_http
 from trio_mlx.http.state import ServerSettings
 
@@ -318,3 +323,131 @@ async def test_the_websocket_mode_refuses_background(server: RunningServer) -> N
     event = await trio.to_thread.run_sync(send_background)
     assert event["type"] == "error" and event["status"] == 400
     assert event["error"]["param"] == "background"
+
+
+# The registry itself (`BackgroundResponses`), with stand-ins for a run and its events: what it
+# keeps of ended responses, and a task whose failure is its own.
+
+
+class _Record:
+    model = "tiny"
+    prompt_tokens = 1
+
+
+class _Run:
+    """A stand-in for an admitted `ResponseRun`: its id, its request, its close."""
+
+    def __init__(self, response_id: str, request: bytes = b"") -> None:
+        self.id = response_id
+        self.active = object()
+        self.record = _Record()
+        #: What a real run holds on to: its request's body (its input), its prompt, its stream.
+        self.request = request
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Events:
+    """A stand-in for `ResponseEvents`: `batches` batches of `size`-byte events, then the end;
+    or an error (`fail`), with a `partial` that fails too (`fail_partial`)."""
+
+    def __init__(
+        self, run: _Run, batches: int, size: int, fail: bool = False, fail_partial: bool = False
+    ) -> None:
+        self.run = run
+        self.batches, self.size = batches, size
+        self.fail, self.fail_partial = fail, fail_partial
+        self.final: Any = None
+
+    def partial(self, status: str) -> Any:
+        if self.fail_partial:
+            raise RuntimeError("the output written so far is broken")
+        return _Object({"id": self.run.id, "status": status, "output": []})
+
+    async def events(self) -> Any:
+        for n in range(self.batches):
+            await trio.lowlevel.checkpoint()
+            yield [("response.output_text.delta", "x" * self.size + str(n))]
+        if self.fail:
+            raise RuntimeError("the reply could not be written")
+        self.final = _Object({"id": self.run.id, "status": "completed", "output": []})
+        yield [("response.completed", '{"type":"response.completed"}')]
+
+
+class _Object:
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def dump(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+
+async def _run_to_end(background: Any, events: _Events, streamed: bool = True) -> Any:
+    entry = background.start(events.run, events, streamed=streamed)
+    await entry.done.wait()
+    return entry
+
+
+async def test_ended_background_responses_are_kept_within_the_store_s_byte_budget() -> None:
+    background = BackgroundResponses(keep=1000, max_bytes=50_000)
+    async with background.serving():
+        entries = []
+        for n in range(10):  # each streamed one's events take about 20 kB
+            events = _Events(_Run(f"resp_{n}"), batches=20, size=1000)
+            entries.append(await _run_to_end(background, events))
+    kept = background.statistics()
+    assert kept["ended"] < 10 and kept["bytes"] <= 50_000
+    # The newest are kept, the oldest forgotten first.
+    assert background.get(entries[-1].id) is entries[-1]
+    assert background.get(entries[0].id) is None
+
+
+async def test_an_ended_background_response_lets_go_of_its_request() -> None:
+    background = BackgroundResponses(keep=10, max_bytes=10**9)
+    async with background.serving():
+        run = _Run("resp_big", request=b"x" * 1_000_000)
+        entry = await _run_to_end(background, _Events(run, batches=2, size=10), streamed=False)
+    held = weakref.ref(run)
+    del run
+    gc.collect()
+    assert held() is None  # the ended one keeps its object, not its request
+    assert background.get("resp_big") is entry
+    assert entry.response["status"] == "completed"
+
+
+async def test_a_background_task_that_fails_badly_fails_alone() -> None:
+    counted: list[str] = []
+    background = BackgroundResponses(
+        keep=10,
+        max_bytes=10**9,
+        started=lambda: counted.append("started"),
+        ended=lambda: counted.append("ended"),
+    )
+    with trio.fail_after(10):
+        async with background.serving():  # the server's nursery: it must not fail
+            events = _Events(_Run("resp_bad"), batches=2, size=10, fail=True, fail_partial=True)
+            entry = await _run_to_end(background, events)
+            assert entry.response["status"] == "failed"
+            assert background.statistics()["running"] == 0
+            assert counted == ["started", "ended"]  # no longer a request in flight
+            assert events.run.closed
+            # The server goes on: another one runs to its end.
+            after = await _run_to_end(background, _Events(_Run("resp_next"), 2, 10))
+            assert after.response["status"] == "completed"
+
+
+async def test_cancelling_a_background_response_no_longer_kept_as_running_or_ended() -> None:
+    """A background response that ended and is stored, but no longer among the ended ones the
+    registry keeps, is still a background response: cancelling returns it as it ended."""
+    store = ResponseStore()
+    response = {"id": "resp_old", "status": "completed", "background": True, "output": []}
+    store.put(StoredResponse.of(response, [], None))
+    background = BackgroundResponses(keep=10, max_bytes=10**9)
+    assert (await background.cancel("resp_old", store))["status"] == "completed"
+    foreground = {"id": "resp_fg", "status": "completed", "background": False, "output": []}
+    store.put(StoredResponse.of(foreground, [], None))
+    with pytest.raises(APIError, match="background=true") as refused:
+        await background.cancel("resp_fg", store)
+    assert refused.value.status == 400

@@ -71,7 +71,10 @@ class ServerState:
         #: Responses running in the background (`background`), and the last ended ones; each
         #: running one counts as a request in flight.
         self.background = BackgroundResponses(
-            settings.response_store_size, self.request_started, self.request_ended
+            settings.response_store_size,
+            settings.response_store_bytes,
+            self.request_started,
+            self.request_ended,
         )
 
     @property

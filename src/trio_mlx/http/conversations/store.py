@@ -11,9 +11,10 @@ Bounded as the response store is (`responses.store.ResponseStore`), by the same 
 budget of their own: at most `--response-store-size` conversations and `--response-store-mb`
 MiB of them (the JSON length of their items and metadata). The least recently used (created,
 read, written to, used by a response) is evicted first; a bound of 0 keeps none, and the
-conversation routes then refuse to create one (400). Items that would make one conversation
-alone larger than the whole budget are refused (400) when a client adds them; when a response's
-items would, the conversation is dropped (logged): the store never holds more than its bound.
+conversation routes then refuse to create one (400). Items or metadata that would make one
+conversation alone larger than the whole budget are refused (400) when a client adds them; when
+a response's items would, the conversation is dropped (logged): the store never holds more than
+its bound.
 
 Everything runs on the Trio thread: no locks.
 """
@@ -112,6 +113,7 @@ class ConversationStore:
             )
         conversation = Conversation(new_id("conv"), int(time.time()), dict(metadata or {}))
         conversation.size = conversation._size()
+        self._fit(conversation, [], param="metadata")
         self._fit(conversation, list(items), param="items")
         self._conversations[conversation.id] = conversation
         self._bytes += conversation.size
@@ -176,9 +178,17 @@ class ConversationStore:
         self._bytes -= size
 
     def set_metadata(self, conversation: Conversation, metadata: dict[str, str]) -> None:
-        before = len(json_text(conversation.metadata))
+        """Replace a kept conversation's metadata; a 400 when it would make the conversation
+        larger than the store's whole budget."""
+        change = len(json_text(metadata)) - len(json_text(conversation.metadata))
+        if conversation.size + change > self.max_bytes:
+            raise APIError(
+                400,
+                f"the conversation would take {conversation.size + change} bytes, more than "
+                f"this server keeps in all ({self.max_bytes}, --response-store-mb)",
+                param="metadata",
+            )
         conversation.metadata = dict(metadata)
-        change = len(json_text(conversation.metadata)) - before
         conversation.size += change
         self._bytes += change
         self._evict(keep=conversation)

@@ -14,18 +14,22 @@ A response is `queued` until its task starts, `in_progress` (with the output wri
 while it runs, then `completed`, `incomplete` or `failed` as its last event says, or
 `cancelled`. A response that ends `completed` or `incomplete` is stored as any other
 (`store.ResponseStore`: `previous_response_id`, input items); the registry here keeps the
-last `keep` ended ones besides (their objects, and a streamed one's events), so that a failed or
-cancelled one can be retrieved too, and forgets the oldest first.
+last `keep` ended ones besides (their objects, and a streamed one's events), at most `max_bytes`
+of them (the JSON length of their objects and events: `--response-store-mb`, a budget of its
+own), so that a failed or cancelled one can be retrieved too, and forgets the oldest first. An
+ended one keeps only these: not its request, its prompt or the conversation it continued.
 
 Cancelling (`cancel`) cancels the task's scope: the request is closed (its slot is free, the
 runner aborts it at the next step boundary) and the response ends `cancelled` with the output
 written so far; its object is returned. Cancelling one that has ended returns it as it is
-(cancelling twice is idempotent, as at OpenAI); a response that was not created in the
-background cannot be cancelled (400); an unknown id is a 404.
+(cancelling twice is idempotent, as at OpenAI), a stored one that the registry no longer keeps
+included; a response that was not created in the background cannot be cancelled (400); an
+unknown id is a 404.
 
 A running background response counts as a request in flight (`ServerState.in_flight`): a
 draining server gives it `shutdown_timeout` seconds to end, then closes the engine, which ends it
-`failed` (aborted); what is still running when the engine's life ends is cancelled.
+`failed` (aborted); what is still running when the engine's life ends is cancelled. A task
+that fails fails alone: it ends its response `failed`, never the server's nursery.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import trio
 
 from trio_mlx.http.access_log import RequestRecord
 from trio_mlx.http.errors import UNAVAILABLE, APIError
+from trio_mlx.http.generation import json_text
 from trio_mlx.http.ownership import disown
 from trio_mlx.http.responses.store import ResponseStore, response_not_found
 
@@ -67,9 +72,10 @@ class BackgroundResponse:
 
     def __init__(self, run: ResponseRun, events: ResponseEvents, streamed: bool) -> None:
         self.id = run.id
-        self.run = run
+        #: Its run and its events while it runs; let go of once it has ended (`end`).
+        self.run: ResponseRun | None = run
         self.streamed = streamed
-        self.events = events
+        self.events: ResponseEvents | None = events
         #: A streamed response's events so far: `log[n]` is the event numbered n.
         self.log: list[ResponseEvent] = []
         self.started = False
@@ -77,6 +83,8 @@ class BackgroundResponse:
         self.forgotten = False
         #: The response object once it has ended.
         self.ended: dict[str, Any] | None = None
+        #: What an ended one takes: the JSON length of its object and its events.
+        self.size = 0
         self.scope = trio.CancelScope()
         #: Set when its task has ended.
         self.done = trio.Event()
@@ -87,12 +95,14 @@ class BackgroundResponse:
         """The response object as it stands (a running one's with its output so far)."""
         if self.ended is not None:
             return self.ended
+        assert self.events is not None
         return self.events.partial("in_progress" if self.started else "queued").dump()
 
     def add(self, batch: list[ResponseEvent]) -> None:
         self.started = True
         if self.streamed:
             self.log += batch
+        assert self.events is not None
         final = self.events.final
         if final is not None:
             self.ended = final.dump()
@@ -102,9 +112,25 @@ class BackgroundResponse:
         """Its task has ended; without the response's last event, the response ends at
         `status` (cancelled, failed) with the output written so far."""
         if self.ended is None:
-            self.ended = self.events.partial(status).dump()
+            self.ended = self._partial(status)
+        self.run = self.events = None  # its request, prompt and conversation: not kept
+        self.size = len(json_text(self.ended)) + sum(len(data) for _, data in self.log)
         self.done.set()
         self._wake()
+
+    def _partial(self, status: str) -> dict[str, Any]:
+        """The response at `status` with its output so far; the bare response, `failed`, when
+        that output cannot be written (what failed its task failed it too)."""
+        assert self.run is not None and self.events is not None
+        try:
+            return self.events.partial(status).dump()
+        except Exception:
+            log.exception("background response %s: its output could not be written", self.id)
+        try:
+            return self.run.response("failed").dump()
+        except Exception:
+            log.exception("background response %s: its object could not be written", self.id)
+            return {"id": self.id, "object": "response", "status": "failed", "output": []}
 
     def _wake(self) -> None:
         self._changed.set()
@@ -130,15 +156,19 @@ class BackgroundResponses:
     def __init__(
         self,
         keep: int,
+        max_bytes: int,
         started: Callable[[], None] = lambda: None,
         ended: Callable[[], None] = lambda: None,
     ) -> None:
         self.keep = max(0, keep)
+        self.max_bytes = max(0, max_bytes)
         #: Called as a task starts and ends: it counts as a request in flight.
         self._started = started
         self._ended = ended
         self._running: dict[str, BackgroundResponse] = {}
         self._done: OrderedDict[str, BackgroundResponse] = OrderedDict()
+        #: The `size` of the ended ones kept.
+        self._bytes = 0
         self._nursery: trio.Nursery | None = None
 
     @contextlib.asynccontextmanager
@@ -175,7 +205,8 @@ class BackgroundResponses:
         return entry
 
     async def _run(self, entry: BackgroundResponse) -> None:
-        status = "cancelled"
+        assert entry.run is not None and entry.events is not None
+        run, status = entry.run, "cancelled"
         try:
             with entry.scope:
                 async with contextlib.aclosing(entry.events.events()) as batches:
@@ -185,20 +216,28 @@ class BackgroundResponses:
             log.exception("background response %s failed", entry.id)
             status = "failed"
         finally:
-            entry.run.close()
+            run.close()
             entry.end(status)
             self._running.pop(entry.id, None)
-            if self.keep and not entry.forgotten:
+            if self.keep and not entry.forgotten and entry.size <= self.max_bytes:
                 self._done[entry.id] = entry
-                while len(self._done) > self.keep:
-                    self._done.popitem(last=False)
+                self._bytes += entry.size
+                while len(self._done) > self.keep or self._bytes > self.max_bytes:
+                    _, oldest = self._done.popitem(last=False)
+                    self._bytes -= oldest.size
             self._ended()
             assert entry.ended is not None
             log.info("background response %s ended %s", entry.id, entry.ended["status"])
 
     def statistics(self) -> dict[str, int]:
         """How many run now, how many ended ones are kept (`/v1/status`)."""
-        return {"running": len(self._running), "ended": len(self._done), "max_ended": self.keep}
+        return {
+            "running": len(self._running),
+            "ended": len(self._done),
+            "max_ended": self.keep,
+            "bytes": self._bytes,
+            "max_bytes": self.max_bytes,
+        }
 
     def get(self, response_id: str) -> BackgroundResponse | None:
         return self._running.get(response_id) or self._done.get(response_id)
@@ -209,13 +248,19 @@ class BackgroundResponses:
         if entry is not None:
             entry.forgotten = True
             entry.scope.cancel()
-        return self._done.pop(response_id, None) is not None or entry is not None
+        ended = self._done.pop(response_id, None)
+        if ended is not None:
+            self._bytes -= ended.size
+        return ended is not None or entry is not None
 
     async def cancel(self, response_id: str, store: ResponseStore) -> dict[str, Any]:
         """`POST /v1/responses/{id}/cancel`: the response once cancelled, or as it ended."""
         entry = self.get(response_id)
         if entry is None:
-            if store.get(response_id) is not None:
+            stored = store.get(response_id)
+            if stored is not None and stored.response.get("background"):
+                return stored.response  # it ended, and is no longer kept here
+            if stored is not None:
                 raise APIError(
                     400,
                     "Only responses created with background=true can be cancelled.",
