@@ -451,3 +451,9 @@ async def test_cancelling_a_background_response_no_longer_kept_as_running_or_end
     with pytest.raises(APIError, match="background=true") as refused:
         await background.cancel("resp_fg", store)
     assert refused.value.status == 400
+    # Its stream cannot be followed again: said as such, not as a response never streamed.
+    with pytest.raises(APIError, match="no longer kept") as gone:
+        background.follow("resp_old", None, store)
+    assert gone.value.status == 400 and gone.value.param == "stream"
+    with pytest.raises(APIError, match="background=true and stream=true"):
+        background.follow("resp_fg", None, store)

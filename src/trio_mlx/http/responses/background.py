@@ -277,8 +277,17 @@ class BackgroundResponses:
         """`GET /v1/responses/{id}?stream=true`: the events of a background response created
         with `stream` after the one numbered `starting_after` (all of them without it)."""
         entry = self.get(response_id)
-        if entry is None and store.get(response_id) is None:
+        stored = store.get(response_id)
+        if entry is None and stored is None:
             raise response_not_found(response_id)
+        if entry is None and stored is not None and stored.response.get("background"):
+            raise APIError(
+                400,
+                "the events of this background response are no longer kept (the server keeps "
+                "those of the latest ended ones, within --response-store-size and "
+                "--response-store-mb): retrieve it without stream",
+                param="stream",
+            )
         if entry is None or not entry.streamed:
             raise APIError(
                 400,
