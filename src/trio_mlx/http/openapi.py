@@ -38,228 +38,25 @@ from trio_mlx.http.objects import (
     ResponseObject,
     ResponseStreamEvent,
 )
+from trio_mlx.http.openapi_parts import (
+    ERRORS,
+    REF,
+    error_responses,
+    json_operation,
+    json_text,
+    named_event_stream,
+    ref,
+)
+from trio_mlx.http.openapi_state import conversation_paths, stored_response_paths
 from trio_mlx.http.requests import ChatCompletionRequest, CompletionRequest
 from trio_mlx.http.responses.requests import InputTokensRequest, ResponsesRequest
 
-REF = "#/components/schemas/{model}"
-
-ERRORS = {
-    "400": "Invalid request: malformed JSON, a wrong type or value (`param` names the field), "
-    "a prompt that does not fit the context",
-    "404": "Unknown model",
-    "404-response": "No stored or background response has this id (never made, `store` false, "
-    "evicted, deleted)",
-    "404-conversation": "No conversation has this id (never made, deleted, evicted)",
-    "404-item": "No conversation has this id, or it holds no item of this id",
-    "413": "Request body too large",
-    "415": "Content-Type is not application/json",
-    "429": "Admission refused: the engine is busy (see Retry-After)",
-    "529": "Admission refused: the engine is busy (see Retry-After); Anthropic's status for an "
-    "overloaded service, on the Messages routes",
-    "500": "Internal error",
-    "503": "The model is loading, or the engine is shutting down or dead",
-}
-
-
-def _ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": REF.format(model=model.__name__)}
-
-
-def _errors(*codes: str) -> dict[str, Any]:
-    """The error responses of `codes` (`ERRORS` keys; `404-response` is a 404 of its own)."""
-    return {
-        code.split("-")[0]: {
-            "description": ERRORS[code],
-            "content": {"application/json": {"schema": _ref(ErrorResponse)}},
-        }
-        for code in codes
-    }
-
-
-#: The path parameter of the stored-response routes.
-RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
-
-
-#: The query of the item lists (a stored response's input items, a conversation's).
-ITEMS_QUERY = [
-    {
-        "name": "after",
-        "in": "query",
-        "required": False,
-        "description": "List the items after the item with this id (the next page).",
-        "schema": {"type": "string"},
-    },
-    {
-        "name": "limit",
-        "in": "query",
-        "required": False,
-        "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
-    },
-    {
-        "name": "order",
-        "in": "query",
-        "required": False,
-        "schema": {"enum": ["asc", "desc"], "default": "desc"},
-    },
-]
-
-
-def _stored_response_paths() -> dict[str, Any]:
-    """`GET` and `DELETE /v1/responses/{response_id}`, `GET .../input_items`."""
-    query = ITEMS_QUERY
-    resume = [
-        {
-            "name": "stream",
-            "in": "query",
-            "required": False,
-            "description": "`true`: the events of a response created with `background` and "
-            "`stream`, as it runs or after it has ended",
-            "schema": {"enum": ["true", "false"]},
-        },
-        {
-            "name": "starting_after",
-            "in": "query",
-            "required": False,
-            "description": "With `stream`: the events after the one of this `sequence_number`",
-            "schema": {"type": "integer"},
-        },
-    ]
-    retrieved = _get(
-        "A stored response (`store`), or a background one as it stands (`queued`, "
-        "`in_progress` with its output so far, then as it ended)",
-        _ref(ResponseObject),
-        "400",
-        "404-response",
-    )
-    retrieved["responses"]["200"]["content"]["text/event-stream"] = _named_event_stream(
-        ResponseStreamEvent
-    )
-    return {
-        "/v1/responses/{response_id}": {
-            "parameters": [RESPONSE_ID],
-            "get": retrieved | {"parameters": resume},
-            "delete": _get(
-                "Delete a stored response (a background one that runs is cancelled)",
-                _ref(ResponseDeleted),
-                "404-response",
-            ),
-        },
-        "/v1/responses/{response_id}/cancel": {
-            "parameters": [RESPONSE_ID],
-            "post": _get(
-                "Cancel a background response: it ends `cancelled` with the output written so "
-                "far; one that has ended is returned as it ended; 400 for a response not "
-                "created with `background`",
-                _ref(ResponseObject),
-                "400",
-                "404-response",
-            ),
-        },
-        "/v1/responses/{response_id}/input_items": {
-            "parameters": [RESPONSE_ID],
-            "get": _get(
-                "A stored response's input items, a page at a time: the conversation before "
-                "its output (the earlier turns' items included)",
-                _ref(ResponseItemList),
-                "400",
-                "404-response",
-            )
-            | {"parameters": query},
-        },
-    }
-
-
-#: The path parameters of the conversation routes.
-CONVERSATION_ID = {
-    "name": "conversation_id",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-}
-ITEM_ID = {"name": "item_id", "in": "path", "required": True, "schema": {"type": "string"}}
-
-
-def _with_body(operation: dict[str, Any], body: type[BaseModel], *errors: str) -> dict[str, Any]:
-    """`operation` (`_get`'s) taking a JSON `body`, with the errors of reading one."""
-    operation["requestBody"] = {
-        "required": True,
-        "content": {"application/json": {"schema": _ref(body)}},
-    }
-    operation["responses"] |= _errors("400", "413", "415", *errors)
-    return operation
-
-
-def _conversation_paths() -> dict[str, Any]:
-    """The Conversations API: `/v1/conversations` and its items."""
-    item = {"type": "object", "required": ["id", "type"]}
-    return {
-        "/v1/conversations": {
-            "post": _with_body(
-                _get(
-                    "Create a conversation, with its first `items` (at most 20) and `metadata`",
-                    _ref(ConversationObject),
-                ),
-                ConversationCreateRequest,
-            )
-        },
-        "/v1/conversations/{conversation_id}": {
-            "parameters": [CONVERSATION_ID],
-            "get": _get("A conversation", _ref(ConversationObject), "404-conversation"),
-            "post": _with_body(
-                _get(
-                    "Replace a conversation's `metadata`",
-                    _ref(ConversationObject),
-                    "404-conversation",
-                ),
-                ConversationUpdateRequest,
-            ),
-            "delete": _get(
-                "Delete a conversation and its items",
-                _ref(ConversationDeleted),
-                "404-conversation",
-            ),
-        },
-        "/v1/conversations/{conversation_id}/items": {
-            "parameters": [CONVERSATION_ID],
-            "post": _with_body(
-                _get(
-                    "Append items (at most 20) to a conversation; the items as added, each "
-                    "with its `id`",
-                    _ref(ResponseItemList),
-                    "404-conversation",
-                ),
-                ConversationItemsRequest,
-            ),
-            "get": _get(
-                "A conversation's items, a page at a time (`desc`, the newest first, by default)",
-                _ref(ResponseItemList),
-                "400",
-                "404-conversation",
-            )
-            | {"parameters": ITEMS_QUERY},
-        },
-        "/v1/conversations/{conversation_id}/items/{item_id}": {
-            "parameters": [CONVERSATION_ID, ITEM_ID],
-            "get": _get("One item of a conversation", item, "404-item"),
-            "delete": _get(
-                "Delete one item of a conversation; the conversation",
-                _ref(ConversationObject),
-                "404-item",
-            ),
-        },
-    }
-
 
 def _json_ok(model: type[BaseModel], stream: dict[str, Any] | None = None) -> dict[str, Any]:
-    content: dict[str, Any] = {"application/json": {"schema": _ref(model)}}
+    content: dict[str, Any] = {"application/json": {"schema": ref(model)}}
     if stream is not None:
         content["text/event-stream"] = stream
     return {"200": {"description": "Success", "content": content}}
-
-
-def _json_text(schema: dict[str, Any]) -> dict[str, Any]:
-    """A string holding JSON that matches `schema` (an SSE event's `data`)."""
-    return {"type": "string", "contentMediaType": "application/json", "contentSchema": schema}
 
 
 def _data_stream(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -276,25 +73,8 @@ def _data_stream(chunk: type[BaseModel]) -> dict[str, Any]:
             "properties": {
                 "data": {
                     "if": {"const": "[DONE]"},
-                    "else": _json_text({"anyOf": [_ref(chunk), _ref(ErrorResponse)]}),
+                    "else": json_text({"anyOf": [ref(chunk), ref(ErrorResponse)]}),
                 }
-            },
-        },
-    }
-
-
-def _named_event_stream(event: type[BaseModel]) -> dict[str, Any]:
-    """The Responses API's SSE framing: `event: response.<...>` (the `type` of the data) and
-    `data:` the event's JSON; no `[DONE]`."""
-    return {
-        "description": f"With `stream: true`: server-sent events, each named by its type "
-        f"(`event:`) with a {event.__name__} as `data`",
-        "itemSchema": {
-            "type": "object",
-            "required": ["event", "data"],
-            "properties": {
-                "event": {"type": "string", "pattern": r"^response\.[a-z_.]+$"},
-                "data": _json_text(_ref(event)),
             },
         },
     }
@@ -313,7 +93,7 @@ def _anthropic_stream() -> dict[str, Any]:
             "required": ["event", "data"],
             "properties": {
                 "event": {"enum": names},
-                "data": _json_text({"anyOf": [_ref(model) for model in STREAM_EVENTS]}),
+                "data": json_text({"anyOf": [ref(model) for model in STREAM_EVENTS]}),
             },
         },
     }
@@ -332,13 +112,13 @@ def _anthropic(
     result: type[BaseModel],
     stream: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    content: dict[str, Any] = {"application/json": {"schema": _ref(result)}}
+    content: dict[str, Any] = {"application/json": {"schema": ref(result)}}
     if stream is not None:
         content["text/event-stream"] = stream
     errors = {
         code: {
             "description": ERRORS[code],
-            "content": {"application/json": {"schema": _ref(AnthropicError)}},
+            "content": {"application/json": {"schema": ref(AnthropicError)}},
         }
         for code in ("400", "404", "413", "415", "500", "503", "529")
     }
@@ -348,7 +128,7 @@ def _anthropic(
             "parameters": ANTHROPIC_HEADERS,
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": _ref(body)}},
+                "content": {"application/json": {"schema": ref(body)}},
             },
             "responses": {"200": {"description": "Success", "content": content}} | errors,
         }
@@ -363,21 +143,11 @@ def _generation(
             "summary": summary,
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": _ref(body)}},
+                "content": {"application/json": {"schema": ref(body)}},
             },
             "responses": _json_ok(result, stream)
-            | _errors("400", "404", "413", "415", "429", "500", "503"),
+            | error_responses("400", "404", "413", "415", "429", "500", "503"),
         }
-    }
-
-
-def _get(summary: str, result: dict[str, Any], *errors: str) -> dict[str, Any]:
-    return {
-        "summary": summary,
-        "responses": {
-            "200": {"description": "Success", "content": {"application/json": {"schema": result}}}
-        }
-        | _errors(*errors),
     }
 
 
@@ -431,7 +201,7 @@ def openapi_document() -> dict[str, Any]:
             "Create a response",
             ResponsesRequest,
             ResponseObject,
-            _named_event_stream(ResponseStreamEvent),
+            named_event_stream(ResponseStreamEvent),
         )
         | {
             "get": {
@@ -442,7 +212,7 @@ def openapi_document() -> dict[str, Any]:
                     "101": {"description": "Switching to the WebSocket protocol"},
                     "405": {
                         "description": "Not a WebSocket upgrade request",
-                        "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+                        "content": {"application/json": {"schema": ref(ErrorResponse)}},
                     },
                 },
             }
@@ -454,14 +224,14 @@ def openapi_document() -> dict[str, Any]:
                 "`previous_response_id` or `conversation`",
                 "requestBody": {
                     "required": True,
-                    "content": {"application/json": {"schema": _ref(InputTokensRequest)}},
+                    "content": {"application/json": {"schema": ref(InputTokensRequest)}},
                 },
                 "responses": _json_ok(InputTokenCount)
-                | _errors("400", "404", "413", "415", "500", "503"),
+                | error_responses("400", "404", "413", "415", "500", "503"),
             }
         },
-        **_stored_response_paths(),
-        **_conversation_paths(),
+        **stored_response_paths(),
+        **conversation_paths(),
         "/v1/messages": _anthropic(
             "Anthropic Messages API: create a message",
             MessagesRequest,
@@ -474,19 +244,19 @@ def openapi_document() -> dict[str, Any]:
             TokenCount,
         ),
         "/v1/models": {
-            "get": _get(
+            "get": json_operation(
                 "The served model and its aliases (to a request with an `anthropic-version` "
                 "header, as Anthropic lists models: a page `{data, has_more, first_id, last_id}` "
                 "of `{type: model, id, display_name, created_at}`, paged by `limit`, `after_id`, "
                 "`before_id`)",
-                _ref(ModelList),
+                ref(ModelList),
                 "503",
             )
         },
         "/v1/models/{model}": {
-            "get": _get(
+            "get": json_operation(
                 "One model (Anthropic's shape to a request with an `anthropic-version` header)",
-                _ref(ModelCard),
+                ref(ModelCard),
                 "404",
                 "503",
             )
@@ -502,19 +272,19 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "Ready",
-                        "content": {"application/json": {"schema": _ref(Health)}},
+                        "content": {"application/json": {"schema": ref(Health)}},
                     },
                     "503": {
                         "description": "Not ready",
-                        "content": {"application/json": {"schema": _ref(Health)}},
+                        "content": {"application/json": {"schema": ref(Health)}},
                     },
                 },
             }
         },
-        "/v1/status": {"get": _get("Live engine statistics", any_object, "503")},
-        "/v1/cache/stats": {"get": _get("Prefix KV-cache statistics", any_object, "503")},
-        "/v1/cache": {"delete": _get("Drop every cached prefix", any_object, "503")},
-        "/openapi.json": {"get": _get("This document", any_object)},
+        "/v1/status": {"get": json_operation("Live engine statistics", any_object, "503")},
+        "/v1/cache/stats": {"get": json_operation("Prefix KV-cache statistics", any_object, "503")},
+        "/v1/cache": {"delete": json_operation("Drop every cached prefix", any_object, "503")},
+        "/openapi.json": {"get": json_operation("This document", any_object)},
         "/metrics": {
             "get": {
                 "summary": "Prometheus metrics (text exposition format, trio_mlx: namespace)",
@@ -530,7 +300,7 @@ def openapi_document() -> dict[str, Any]:
     for path in ("/v1/responses", "/v1/responses/input_tokens"):
         paths[path]["post"]["responses"]["404"] = {
             "description": "Unknown model, or no conversation has the id of `conversation`",
-            "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+            "content": {"application/json": {"schema": ref(ErrorResponse)}},
         }
     return {
         "openapi": "3.2.0",
