@@ -96,11 +96,14 @@ async def engine_burst(
     }
     ban = {int(t): -100.0 for t in loaded.eos_token_ids}
     async with trio_mlx.open_engine("model", loader=lambda _spec: loaded, **options) as engine:
-        # warm-up: a burst like the timed one (its shapes, the template prefix in the cache)
+        # warm-up: a burst like the timed one (its shapes, the template prefix in the cache, the
+        # logit bias: its first use compiles kernels on MLX's CUDA backend)
         async with trio.open_nursery() as nursery:
             for i in range(streams):
                 messages = [{"role": "user", "content": prompt(first_id + i, args.prompt_words)}]
-                nursery.start_soon(partial(engine.chat, messages, max_tokens=4, temperature=0))
+                nursery.start_soon(
+                    partial(engine.chat, messages, max_tokens=4, temperature=0, logit_bias=ban)
+                )
         before = {k: engine.get_stats()["runner"][k] for k in COUNTERS}
         firsts: list[float] = []
         done: list[int] = []

@@ -43,8 +43,8 @@ def loaded(tiny_model_dir: Path) -> LoadedModel:
 
 @pytest.fixture(autouse=True)
 def grouping_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Group prefill is off by default (see `BatchDecoder.group_prefill`); these tests switch it
-    on."""
+    """Group prefill is on by default only on MLX's CUDA backend (`group_prefill_pays`); these
+    tests switch it on."""
     monkeypatch.setattr(BatchDecoder, "group_prefill", True)
 
 
@@ -161,16 +161,44 @@ def test_what_cannot_be_grouped_prefills_alone(
 
 
 def test_padding_is_bounded(loaded: LoadedModel) -> None:
-    """Short rests ride with a 60-token one only while the padded pass stays within twice the
-    real tokens: 60 + 3 (120 padded for 63), not 60 + 3 + 3 (180 for 66)."""
+    """Short rests ride with 60-token ones only while the padded pass stays within twice the
+    real tokens: 60 + 60 + 3 + 3 (240 padded for 126), not a fifth rest of 3 (300 for 129)."""
     batch = decoder(loaded.model, loaded)
     batch.add(job(0, tuple(range(5, 66))), None, 0)
     batch.add(job(1, tuple(range(5, 9))), None, 0)
     batch.add(job(2, tuple(range(9, 13))), None, 0)
     batch.add(job(3, tuple(range(9, 70))), None, 0)
-    assert [s.request_id for s in choose_group(batch.waiting, 4096, 64, 1)] == [0, 1, 3]
-    # within a budget of 70 tokens: the first two only
+    batch.add(job(4, tuple(range(20, 24))), None, 0)
+    assert [s.request_id for s in choose_group(batch.waiting, 4096, 64, 1)] == [0, 1, 2, 3]
+    # within a budget of 70 tokens: one long rest and a short one
     assert [s.request_id for s in choose_group(batch.waiting, 70, 64, 1)] == [0, 1]
+
+
+def test_a_short_rest_at_the_head_does_not_keep_the_burst_apart(loaded: LoadedModel) -> None:
+    """A burst as it reaches a GPU's runner: the first arrival prefilled its first chunk alone
+    and has a short rest left (3 tokens, one 8-token block), the next ones whole prompts of 60
+    tokens to go (eight blocks). Padded to the longest, the head with any one of them alone
+    would be too much padding (2 x 64 for 63); the group is all of them (4 x 64 for 183) in one
+    pass, and every sequence's greedy tokens are its own alone."""
+    model = PassLog(loaded.model)
+    batch = BatchDecoder(
+        model,
+        frozenset(),
+        vocab_size=len(loaded.tokenizer),
+        plan=PrefillPlan(64, tail=64, block=8),
+        split_at_store_points=False,
+    )
+    head = tuple(range(100, 140))
+    batch.add(job(0, head), prefix_cache(loaded, head[:36]), 36)
+    prompts = [tuple(range(5 + i, 66 + i)) for i in range(3)]
+    for i, prompt in enumerate(prompts, start=1):
+        batch.add(job(i, prompt), None, 0)
+    assert [s.request_id for s in choose_group(batch.waiting, 4096, 64, 8)] == [0, 1, 2, 3]
+    batch.prefill(4096, 60.0)
+    assert [rows for rows, _ in model.passes] == [4]
+    assert batch.join() == 4
+    tokens = run(batch)
+    assert [tokens[i] for i in range(4)] == [alone(loaded, p, 10) for p in (head, *prompts)]
 
 
 def test_a_failing_group_pass_falls_back_to_one_pass_each(loaded: LoadedModel) -> None:

@@ -69,6 +69,7 @@ from trio_mlx.engine.batch_lone_media import (
     fits_first_pass,
     lone_step_model,
 )
+from trio_mlx.engine.batch_prefill import group_prefill_pays
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
@@ -104,12 +105,10 @@ class BatchDecoder:
     #: first token from its prompt's last pass, its steps through its own model. False: it
     #: prefills, joins and decodes as any row (what `bench.media_lone` measures against)
     lone_media = True
-    #: several arrivals' short prompts prefill in one pass (`batch_prefill`). Off: on the H200
-    #: it did not pay where measured (`bench.burst`, docs/benchmarks: few groups formed, since
-    #: arrivals reach the runner one tokenization at a time, and each new (rows, tokens) shape
-    #: of a group pass cost MLX's CUDA backend a new attention graph). Its passes now take
-    #: bucketed shapes where prefill chunks do (`padded_prefill`): not yet measured there
-    group_prefill = False
+    #: several arrivals' short prompts prefill in one pass (`batch_prefill`). None: where it
+    #: pays, MLX's CUDA backend (`group_prefill_pays`: a 16-request burst's time to first token
+    #: halved on the H100, docs/benchmarks); True / False: on / off everywhere
+    group_prefill: bool | None = None
 
     def __init__(
         self,
@@ -422,7 +421,8 @@ class BatchDecoder:
                 lone = seq
         if lone is not None and fits_first_pass(lone):
             return [self._first_token(lone)]
-        group = self.group_prefill and not self._split
+        grouping = group_prefill_pays() if self.group_prefill is None else self.group_prefill
+        group = grouping and not self._split
         results, group_failed = batch_join.prefill(
             self._model,
             self.waiting,

@@ -41,13 +41,22 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine import batch_layout, batch_mask
-from trio_mlx.engine.prefill_shapes import chunk_ladder
+from trio_mlx.engine.prefill_shapes import chunk_ladder, padded_prefill_default
 
 if TYPE_CHECKING:
     from trio_mlx.engine.batch_sequence import BatchSequence
 
 #: a group's padded tokens (rows x longest) may be at most this many times its real tokens
 MAX_PADDING_FACTOR = 2.0
+
+
+def group_prefill_pays() -> bool:
+    """Whether arrivals prefill in groups by default (`BatchDecoder.group_prefill`): on MLX's
+    CUDA backend, where a pass costs about the same whatever its rows (launch-bound) and a
+    16-request burst of 8B bf16 reached its first tokens in half the time grouped (H100,
+    `bench.burst`, docs/benchmarks). Not on the CPU, where a pass costs by its tokens and
+    grouping did not pay (tiny model, `bench.burst`), nor elsewhere until measured there."""
+    return padded_prefill_default()
 
 
 def groupable(seq: BatchSequence) -> bool:
@@ -65,25 +74,36 @@ def groupable(seq: BatchSequence) -> bool:
 def choose_group(
     waiting: Sequence[BatchSequence], tokens: int, step: int, block: int
 ) -> list[BatchSequence]:
-    """The sequences of `waiting` (in admission order) to prefill together in one pass: each
+    """The sequences of `waiting` to prefill together in one pass (in admission order): each
     finishes its prefill there (at most `step` tokens left), their real tokens add up to at most
     `tokens`, and the padded batch (rows x longest, in whole `block`s) stays within
-    `MAX_PADDING_FACTOR` of them. Fewer than two: none (one prefills alone as usual)."""
-    group: list[BatchSequence] = []
-    real = longest = 0
-    for seq in waiting:
-        left = seq.remaining_prompt()
-        if left <= 0 or left > step or not groupable(seq):
-            continue
-        if real + left > tokens:
-            break
-        padded = (len(group) + 1) * _whole_blocks(max(longest, left), block)
-        if group and padded > MAX_PADDING_FACTOR * (real + left):
-            continue
-        group.append(seq)
-        real += left
-        longest = max(longest, left)
-    return group if len(group) >= 2 else []
+    `MAX_PADDING_FACTOR` of them. Of the groups that qualify, the one with the most real tokens
+    (then the one holding the oldest sequence): for each width a rest may set, the sequences
+    that fit it, the longest rests first, so that a short rest at the head of `waiting` (a
+    prompt's last piece after its chunks) rides with the longer ones instead of keeping them
+    out. Fewer than two: none (one prefills alone as usual)."""
+    candidates = [
+        (i, seq, left)
+        for i, seq in enumerate(waiting)
+        if 0 < (left := seq.remaining_prompt()) <= step and groupable(seq)
+    ]
+    best: list[tuple[int, BatchSequence, int]] = []
+    best_key = (0, 0)
+    for width in sorted({_whole_blocks(left, block) for _, _, left in candidates}):
+        group: list[tuple[int, BatchSequence, int]] = []
+        real = 0
+        for entry in sorted(candidates, key=lambda c: (-c[2], c[0])):
+            left = entry[2]
+            if _whole_blocks(left, block) > width or real + left > tokens:
+                continue
+            if group and (len(group) + 1) * width > MAX_PADDING_FACTOR * (real + left):
+                continue
+            group.append(entry)
+            real += left
+        key = (real, -min((i for i, _, _ in group), default=0))
+        if len(group) >= 2 and key > best_key:
+            best, best_key = group, key
+    return [seq for _, seq, _ in sorted(best, key=lambda c: c[0])]
 
 
 def prefill_together(
