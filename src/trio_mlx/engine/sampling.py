@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from trio_mlx.types import SamplingParams
 
@@ -36,16 +37,12 @@ class TokenSelector:
         self._vocab = vocab_size
         self._bias: Any = None
         if params.logit_bias:
-            bias = mx.zeros((vocab_size,), dtype=mx.float32)
-            ids = mx.array([t for t, _ in params.logit_bias], dtype=mx.uint32)
-            values = mx.array([b for _, b in params.logit_bias], dtype=mx.float32)
-            self._bias = bias.at[ids].add(values)
+            ids = [t for t, _ in params.logit_bias]
+            self._bias = _host_vector(vocab_size, ids, [b for _, b in params.logit_bias])
         self._seen: Any = None  # prompt + output tokens, for the repetition penalty
         if params.repetition_penalty != 1.0:
-            seen = mx.zeros((vocab_size,), dtype=mx.float32)
-            if prompt:
-                seen = seen.at[mx.array(list(prompt), dtype=mx.uint32)].add(1.0)
-            self._seen = seen
+            self._seen = _host_vector(vocab_size, list(prompt), [1.0] * len(prompt))
+        self._ids: Any = None  # 0 .. vocab-1, to count a lazy token without a scatter
         self._counts: Any = None  # output tokens only, for presence and frequency penalties
         if params.presence_penalty or params.frequency_penalty:
             self._counts = mx.zeros((vocab_size,), dtype=mx.float32)
@@ -121,11 +118,17 @@ class TokenSelector:
         return token
 
     def observe(self, token: Any) -> None:
-        """Record `token` (an MLX array of one id, possibly lazy) as generated."""
+        """Record `token` (an MLX array of one id, possibly lazy) as generated: one added to its
+        entry by comparing it with every id (`_host_vector` says why not a scatter)."""
+        if self._seen is None and self._counts is None:
+            return
+        if self._ids is None or self._ids.shape[0] != self._vocab:
+            self._ids = mx.arange(self._vocab, dtype=mx.uint32)
+        one = (self._ids == token.reshape(-1).astype(mx.uint32)).astype(mx.float32)
         if self._seen is not None:
-            self._seen = self._seen.at[token].add(1.0)
+            self._seen = self._seen + one
         if self._counts is not None:
-            self._counts = self._counts.at[token].add(1.0)
+            self._counts = self._counts + one
 
     # ---- for speculative decoding (`speculative.py`): the same choice, spelled out --------------
 
@@ -203,3 +206,14 @@ def logprob_arrays(raw_logits: Any, token: Any, top: int) -> tuple[Any, Any, Any
     ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[..., :top]
     values = mx.take_along_axis(logprobs, ids, axis=-1)
     return chosen, ids, values
+
+
+def _host_vector(size: int, ids: Sequence[int], values: Sequence[float]) -> Any:
+    """A float32 vector of `size` zeros with `values` added at `ids` (repeats add up), built on
+    the host and copied once. On the device this is a scatter, whose kernel MLX's CUDA backend
+    compiles with NVRTC on first use: seconds inside the first request of a process that names
+    a logit bias or a penalty (a 16-request burst on the H100 waited 2.6 s for it)."""
+    vector = np.zeros(size, dtype=np.float32)
+    if ids:
+        np.add.at(vector, np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.float32))
+    return mx.array(vector)
