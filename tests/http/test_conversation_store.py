@@ -64,11 +64,11 @@ def test_items_larger_than_the_budget() -> None:
 
 def test_ids_stay_unique_in_a_conversation() -> None:
     store = ConversationStore()
-    conversation = store.create(None, [message("msg-1"), message("msg-1")])
-    store.append(conversation.id, [message("msg-1")])
+    conversation = store.create(None, [message("msg_1"), message("msg_1")])
+    store.append(conversation.id, [message("msg_1")])
     ids = [item["id"] for item in conversation.items]
-    assert ids[0] == "msg-1" and len(set(ids)) == 3
-    assert all(item_id.startswith("msg-") for item_id in ids)
+    assert ids[0] == "msg_1" and len(set(ids)) == 3
+    assert all(item_id.startswith("msg_") for item_id in ids)
     assert conversation.item(ids[2])["content"][0]["text"] == "hello"
 
 

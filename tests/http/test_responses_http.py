@@ -37,7 +37,8 @@ async def test_text_input_with_instructions(
         max_output_tokens=8,
         temperature=0,
     )
-    assert response.object == "response" and response.id.startswith("resp-")
+    assert response.object == "response" and response.id.startswith("resp_")  # as OpenAI's
+    assert [item.id[:4] for item in response.output] == ["msg_"]
     assert response.status == "incomplete"
     assert response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens"

@@ -43,8 +43,16 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+#: the objects whose ids OpenAI writes with a dash (`chatcmpl-…`, `cmpl-…`)
+_DASHED = frozenset({"chatcmpl", "cmpl"})
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    """A new object id spelled as OpenAI spells that object's: a dash after the Chat
+    Completions and Completions prefixes, an underscore after the Responses and Conversations
+    ones (`resp_…`, `msg_…`, `fc_…`, `rs_…`, `conv_…`)."""
+    separator = "-" if prefix in _DASHED else "_"
+    return f"{prefix}{separator}{uuid.uuid4().hex[:24]}"
 
 
 def prepare(build: Callable[[], T]) -> T:

@@ -2,7 +2,7 @@
 `GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
 
 Kept items have OpenAI's shapes, as `input_items` lists them and as a later turn reads them back
-(`InputItem`): each has an `id` (the client's, or a new `msg-`, `fc-`, `fco-`, `rs-` one) and a
+(`InputItem`): each has an `id` (the client's, or a new `msg_`, `fc_`, `fco_`, `rs_` one) and a
 `status`; a message's text given as a string is kept as one text part (`input_text`, or
 `output_text` for an assistant's), which the chat template renders as the same text.
 """

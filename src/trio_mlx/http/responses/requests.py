@@ -227,7 +227,7 @@ Includable = Literal[
 
 
 class ConversationParam(_Body):
-    """`conversation` as an object: `{"id": "conv-..."}`."""
+    """`conversation` as an object: `{"id": "conv_..."}`."""
 
     id: str
 
