@@ -201,6 +201,31 @@ def test_a_short_rest_at_the_head_does_not_keep_the_burst_apart(loaded: LoadedMo
     assert [tokens[i] for i in range(4)] == [alone(loaded, p, 10) for p in (head, *prompts)]
 
 
+def test_newer_arrivals_do_not_keep_the_oldest_waiting(loaded: LoadedModel) -> None:
+    """The budget holds two 60-token rests but not a third sequence's 3 more: a group of two
+    newer arrivals would take it all, and the oldest (3 tokens left, too short to ride with one
+    of them alone) would get no chunk after it. Each round brings two more arrivals: the oldest
+    still joins in the first round, as it did when the group was taken in admission order."""
+    batch = BatchDecoder(
+        loaded.model,
+        frozenset(),
+        vocab_size=len(loaded.tokenizer),
+        plan=PrefillPlan(64, tail=64, block=8),
+        split_at_store_points=False,
+    )
+    head = tuple(range(100, 140))
+    batch.add(job(0, head), prefix_cache(loaded, head[:36]), 36)
+    joined_in: dict[int, int] = {}
+    for round_ in range(3):
+        for i in (1 + 2 * round_, 2 + 2 * round_):
+            batch.add(job(i, tuple(range(5 + i, 66 + i))), None, 0)
+        batch.prefill(120, 60.0)
+        batch.join()
+        for seq in batch.rows:
+            joined_in.setdefault(seq.request_id, round_)
+    assert joined_in.get(0) == 0
+
+
 def test_a_failing_group_pass_falls_back_to_one_pass_each(loaded: LoadedModel) -> None:
     """A pass that raises cannot say whose prompt it was: each prefills alone, and only the
     sequence whose own pass raises fails."""

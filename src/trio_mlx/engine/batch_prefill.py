@@ -77,32 +77,47 @@ def choose_group(
     """The sequences of `waiting` to prefill together in one pass (in admission order): each
     finishes its prefill there (at most `step` tokens left), their real tokens add up to at most
     `tokens`, and the padded batch (rows x longest, in whole `block`s) stays within
-    `MAX_PADDING_FACTOR` of them. Of the groups that qualify, the one with the most real tokens
-    (then the one holding the oldest sequence): for each width a rest may set, the sequences
-    that fit it, the longest rests first, so that a short rest at the head of `waiting` (a
-    prompt's last piece after its chunks) rides with the longer ones instead of keeping them
-    out. Fewer than two: none (one prefills alone as usual)."""
+    `MAX_PADDING_FACTOR` of them. The group holds the oldest sequence that could take part (else
+    there is none), so that newer arrivals grouped first never leave it waiting: the budget's
+    tokens and seconds left after a group go to a chunk each in admission order
+    (`batch_join.prefill`), and a group of newer ones could take them all, round after round.
+    Of the groups that qualify, the one with the most real tokens: for each width a rest may
+    set, the sequences that fit it, the longest rests first (room kept in the budget for the
+    oldest), so that a short rest at the head of `waiting` (a prompt's last piece after its
+    chunks) rides with the longer ones instead of keeping them out; and the oldest first, then
+    the longest, where the padding would keep the oldest out of a group of a few rows. Fewer
+    than two: none (one prefills alone as usual)."""
     candidates = [
         (i, seq, left)
         for i, seq in enumerate(waiting)
         if 0 < (left := seq.remaining_prompt()) <= step and groupable(seq)
     ]
+    if not candidates:
+        return []
+    oldest = candidates[0]
+    by_length = sorted(candidates, key=lambda c: (-c[2], c[0]))
+    orders = (by_length, [oldest, *(c for c in by_length if c is not oldest)])
     best: list[tuple[int, BatchSequence, int]] = []
-    best_key = (0, 0)
+    most = 0
     for width in sorted({_whole_blocks(left, block) for _, _, left in candidates}):
-        group: list[tuple[int, BatchSequence, int]] = []
-        real = 0
-        for entry in sorted(candidates, key=lambda c: (-c[2], c[0])):
-            left = entry[2]
-            if _whole_blocks(left, block) > width or real + left > tokens:
-                continue
-            if group and (len(group) + 1) * width > MAX_PADDING_FACTOR * (real + left):
-                continue
-            group.append(entry)
-            real += left
-        key = (real, -min((i for i, _, _ in group), default=0))
-        if len(group) >= 2 and key > best_key:
-            best, best_key = group, key
+        if width < _whole_blocks(oldest[2], block):
+            continue
+        for order in orders:
+            group: list[tuple[int, BatchSequence, int]] = []
+            real = 0
+            held = False  # whether the oldest is in the group yet (else its rest is kept free)
+            for entry in order:
+                left = entry[2]
+                kept = 0 if held or entry is oldest else oldest[2]
+                if _whole_blocks(left, block) > width or real + left + kept > tokens:
+                    continue
+                if group and (len(group) + 1) * width > MAX_PADDING_FACTOR * (real + left):
+                    continue
+                group.append(entry)
+                real += left
+                held = held or entry is oldest
+            if held and len(group) >= 2 and real > most:
+                best, most = group, real
     return [seq for _, seq, _ in sorted(best, key=lambda c: c[0])]
 
 
