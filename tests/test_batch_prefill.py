@@ -43,8 +43,8 @@ def loaded(tiny_model_dir: Path) -> LoadedModel:
 
 @pytest.fixture(autouse=True)
 def grouping_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Group prefill is on by default only on MLX's CUDA backend (`group_prefill_pays`); these
-    tests switch it on."""
+    """Group prefill is on by default only with padded prefill chunks (MLX's CUDA backend,
+    `BatchDecoder.group_prefill`); these tests switch it on."""
     monkeypatch.setattr(BatchDecoder, "group_prefill", True)
 
 

@@ -69,7 +69,6 @@ from trio_mlx.engine.batch_lone_media import (
     fits_first_pass,
     lone_step_model,
 )
-from trio_mlx.engine.batch_prefill import group_prefill_pays
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
@@ -106,8 +105,10 @@ class BatchDecoder:
     #: prefills, joins and decodes as any row (what `bench.media_lone` measures against)
     lone_media = True
     #: several arrivals' short prompts prefill in one pass (`batch_prefill`). None: where it
-    #: pays, MLX's CUDA backend (`group_prefill_pays`: a 16-request burst's time to first token
-    #: halved on the H100, docs/benchmarks); True / False: on / off everywhere
+    #: was measured to pay, with the prefill chunks' recurring shapes (`padded_prefill`, MLX's
+    #: CUDA backend): a 16-request burst's first tokens in half the time on the H100
+    #: (`bench.burst`, docs/benchmarks); not on the CPU, where a pass costs by its tokens and
+    #: grouping did not pay. True / False: on / off whatever the backend
     group_prefill: bool | None = None
 
     def __init__(
@@ -421,7 +422,7 @@ class BatchDecoder:
                 lone = seq
         if lone is not None and fits_first_pass(lone):
             return [self._first_token(lone)]
-        grouping = group_prefill_pays() if self.group_prefill is None else self.group_prefill
+        grouping = self._padded_prefill if self.group_prefill is None else self.group_prefill
         group = grouping and not self._split
         results, group_failed = batch_join.prefill(
             self._model,

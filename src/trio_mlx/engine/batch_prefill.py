@@ -41,22 +41,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from trio_mlx.engine import batch_layout, batch_mask
-from trio_mlx.engine.prefill_shapes import chunk_ladder, padded_prefill_default
+from trio_mlx.engine.prefill_shapes import chunk_ladder
 
 if TYPE_CHECKING:
     from trio_mlx.engine.batch_sequence import BatchSequence
 
 #: a group's padded tokens (rows x longest) may be at most this many times its real tokens
 MAX_PADDING_FACTOR = 2.0
-
-
-def group_prefill_pays() -> bool:
-    """Whether arrivals prefill in groups by default (`BatchDecoder.group_prefill`): on MLX's
-    CUDA backend, where a pass costs about the same whatever its rows (launch-bound) and a
-    16-request burst of 8B bf16 reached its first tokens in half the time grouped (H100,
-    `bench.burst`, docs/benchmarks). Not on the CPU, where a pass costs by its tokens and
-    grouping did not pay (tiny model, `bench.burst`), nor elsewhere until measured there."""
-    return padded_prefill_default()
 
 
 def groupable(seq: BatchSequence) -> bool:

@@ -42,7 +42,6 @@ class TokenSelector:
         self._seen: Any = None  # prompt + output tokens, for the repetition penalty
         if params.repetition_penalty != 1.0:
             self._seen = _host_vector(vocab_size, list(prompt), [1.0] * len(prompt))
-        self._ids: Any = None  # 0 .. vocab-1, to count a lazy token without a scatter
         self._counts: Any = None  # output tokens only, for presence and frequency penalties
         if params.presence_penalty or params.frequency_penalty:
             self._counts = mx.zeros((vocab_size,), dtype=mx.float32)
@@ -122,9 +121,7 @@ class TokenSelector:
         entry by comparing it with every id (`_host_vector` says why not a scatter)."""
         if self._seen is None and self._counts is None:
             return
-        if self._ids is None or self._ids.shape[0] != self._vocab:
-            self._ids = mx.arange(self._vocab, dtype=mx.uint32)
-        one = (self._ids == token.reshape(-1).astype(mx.uint32)).astype(mx.float32)
+        one = (_token_ids(self._vocab) == token.reshape(-1).astype(mx.uint32)).astype(mx.float32)
         if self._seen is not None:
             self._seen = self._seen + one
         if self._counts is not None:
@@ -217,3 +214,15 @@ def _host_vector(size: int, ids: Sequence[int], values: Sequence[float]) -> Any:
     if ids:
         np.add.at(vector, np.asarray(ids, dtype=np.int64), np.asarray(values, dtype=np.float32))
     return mx.array(vector)
+
+
+_TOKEN_IDS: dict[int, Any] = {}
+
+
+def _token_ids(size: int) -> Any:
+    """0 .. size-1 (uint32), one array per vocabulary size shared by every selector: `observe`
+    counts a lazy token by comparing it with each id."""
+    ids = _TOKEN_IDS.get(size)
+    if ids is None:
+        ids = _TOKEN_IDS[size] = mx.arange(size, dtype=mx.uint32)
+    return ids
