@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trio_mlx.http.bounded_map import BoundedMap
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import json_text, new_id
 from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES
@@ -91,9 +91,12 @@ class ConversationStore:
     ) -> None:
         self.max_conversations = max(0, max_conversations)
         self.max_bytes = max(0, max_bytes)
-        self._conversations: OrderedDict[str, Conversation] = OrderedDict()
-        self._bytes = 0
-        self._evicted = 0
+        #: Each counted at its `size`, kept in sync with it (`_resized`).
+        self._conversations: BoundedMap[str, Conversation] = BoundedMap(
+            self.max_conversations, self.max_bytes
+        )
+        #: Conversations dropped by `append`: counted as evicted.
+        self._dropped = 0
 
     @property
     def enabled(self) -> bool:
@@ -115,8 +118,7 @@ class ConversationStore:
         conversation.size = conversation._size()
         self._fit(conversation, [], param="metadata")
         self._fit(conversation, list(items), param="items")
-        self._conversations[conversation.id] = conversation
-        self._bytes += conversation.size
+        self._conversations.put(conversation.id, conversation, conversation.size)
         self._add(conversation, list(items))
         return conversation
 
@@ -126,7 +128,7 @@ class ConversationStore:
         conversation = self._conversations.get(conversation_id)
         if conversation is None:
             raise conversation_not_found(conversation_id, param)
-        self._conversations.move_to_end(conversation_id)
+        self._conversations.touch(conversation_id)
         return conversation
 
     def find(self, conversation_id: str) -> Conversation | None:
@@ -135,10 +137,8 @@ class ConversationStore:
 
     def delete(self, conversation_id: str) -> None:
         """Forget a conversation; the 404 of an unknown id."""
-        conversation = self._conversations.pop(conversation_id, None)
-        if conversation is None:
+        if self._conversations.pop(conversation_id) is None:
             raise conversation_not_found(conversation_id)
-        self._bytes -= conversation.size
 
     def add_items(
         self, conversation: Conversation, items: list[dict[str, Any]], param: str = "items"
@@ -163,9 +163,9 @@ class ConversationStore:
                 conversation_id,
             )
             self.delete(conversation_id)
-            self._evicted += 1
+            self._dropped += 1
             return
-        self._conversations.move_to_end(conversation_id)
+        self._conversations.touch(conversation_id)
         self._add(conversation, items)
 
     def delete_item(self, conversation: Conversation, item_id: str) -> None:
@@ -173,9 +173,8 @@ class ConversationStore:
         item = conversation.item(item_id)
         conversation.items.remove(item)
         conversation.item_ids.discard(item_id)
-        size = len(json_text(item))
-        conversation.size -= size
-        self._bytes -= size
+        conversation.size -= len(json_text(item))
+        self._resized(conversation)
 
     def set_metadata(self, conversation: Conversation, metadata: dict[str, str]) -> None:
         """Replace a kept conversation's metadata; a 400 when it would make the conversation
@@ -190,14 +189,13 @@ class ConversationStore:
             )
         conversation.metadata = dict(metadata)
         conversation.size += change
-        self._bytes += change
-        self._evict(keep=conversation)
+        self._resized(conversation)
 
     def statistics(self) -> ConversationStatistics:
         return ConversationStatistics(
             conversations=len(self._conversations),
-            bytes=self._bytes,
-            evicted=self._evicted,
+            bytes=self._conversations.bytes,
+            evicted=self._conversations.evicted + self._dropped,
             max_conversations=self.max_conversations,
             max_bytes=self.max_bytes,
         )
@@ -221,24 +219,14 @@ class ConversationStore:
             conversation.items.append(item)
             conversation.item_ids.add(item["id"])
             added.append(item)
-        size = sum(len(json_text(item)) for item in added)
-        conversation.size += size
-        self._bytes += size
-        self._evict(keep=conversation)
+        conversation.size += sum(len(json_text(item)) for item in added)
+        self._resized(conversation)
         return added
 
-    def _evict(self, keep: Conversation) -> None:
-        """Evict the least recently used until both bounds hold, never `keep` (which fits)."""
-        while len(self._conversations) > 1 and (
-            len(self._conversations) > self.max_conversations or self._bytes > self.max_bytes
-        ):
-            oldest_id = next(iter(self._conversations))
-            if oldest_id == keep.id:
-                self._conversations.move_to_end(oldest_id)
-                oldest_id = next(iter(self._conversations))
-            oldest = self._conversations.pop(oldest_id)
-            self._bytes -= oldest.size
-            self._evicted += 1
+    def _resized(self, conversation: Conversation) -> None:
+        """Count a kept conversation at its new `size`, evicting the least recently used others
+        until both bounds hold (its callers checked that it fits)."""
+        self._conversations.resize(conversation.id, conversation.size)
 
 
 def conversation_not_found(conversation_id: str, param: str = "conversation_id") -> APIError:

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from trio_mlx.http.access_log import RequestRecord
+from trio_mlx.http.bounded_map import BoundedMap
 from trio_mlx.http.errors import UNAVAILABLE, APIError
 from trio_mlx.http.generation import json_text
 from trio_mlx.http.ownership import disown
@@ -166,9 +166,8 @@ class BackgroundResponses:
         self._started = started
         self._ended = ended
         self._running: dict[str, BackgroundResponse] = {}
-        self._done: OrderedDict[str, BackgroundResponse] = OrderedDict()
-        #: The `size` of the ended ones kept.
-        self._bytes = 0
+        #: The ended ones kept, each counted at its `size`.
+        self._done: BoundedMap[str, BackgroundResponse] = BoundedMap(self.keep, self.max_bytes)
         self._nursery: trio.Nursery | None = None
 
     @contextlib.asynccontextmanager
@@ -219,12 +218,9 @@ class BackgroundResponses:
             run.close()
             entry.end(status)
             self._running.pop(entry.id, None)
-            if self.keep and not entry.forgotten and entry.size <= self.max_bytes:
-                self._done[entry.id] = entry
-                self._bytes += entry.size
-                while len(self._done) > self.keep or self._bytes > self.max_bytes:
-                    _, oldest = self._done.popitem(last=False)
-                    self._bytes -= oldest.size
+            if not entry.forgotten:
+                # Not kept when `keep` is 0 or it is larger than `max_bytes` alone.
+                self._done.put(entry.id, entry, entry.size)
             self._ended()
             assert entry.ended is not None
             log.info("background response %s ended %s", entry.id, entry.ended["status"])
@@ -235,7 +231,7 @@ class BackgroundResponses:
             "running": len(self._running),
             "ended": len(self._done),
             "max_ended": self.keep,
-            "bytes": self._bytes,
+            "bytes": self._done.bytes,
             "max_bytes": self.max_bytes,
         }
 
@@ -248,9 +244,7 @@ class BackgroundResponses:
         if entry is not None:
             entry.forgotten = True
             entry.scope.cancel()
-        ended = self._done.pop(response_id, None)
-        if ended is not None:
-            self._bytes -= ended.size
+        ended = self._done.pop(response_id)
         return ended is not None or entry is not None
 
     async def cancel(self, response_id: str, store: ResponseStore) -> dict[str, Any]:

@@ -29,11 +29,11 @@ Everything runs on the Trio thread: no locks.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trio_mlx.http.bounded_map import BoundedMap
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import json_text
 
@@ -116,9 +116,9 @@ class ResponseStore:
     ) -> None:
         self.max_responses = max(0, max_responses)
         self.max_bytes = max(0, max_bytes)
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._bytes = 0
-        self._evicted = 0
+        self._responses: BoundedMap[str, StoredResponse] = BoundedMap(
+            self.max_responses, self.max_bytes
+        )
 
     @property
     def enabled(self) -> bool:
@@ -126,35 +126,21 @@ class ResponseStore:
 
     def put(self, response: StoredResponse) -> None:
         """Keep `response` (the newest), evicting the oldest until both bounds hold."""
-        if not self.enabled or response.size > self.max_bytes:
-            return
-        self.delete(response.id)
-        while self._responses and (
-            len(self._responses) >= self.max_responses
-            or self._bytes + response.size > self.max_bytes
-        ):
-            _, oldest = self._responses.popitem(last=False)
-            self._bytes -= oldest.size
-            self._evicted += 1
-        self._responses[response.id] = response
-        self._bytes += response.size
+        if self.enabled:
+            self._responses.put(response.id, response, response.size)
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._responses.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         """Forget a response; whether it was there."""
-        response = self._responses.pop(response_id, None)
-        if response is None:
-            return False
-        self._bytes -= response.size
-        return True
+        return self._responses.pop(response_id) is not None
 
     def statistics(self) -> StoreStatistics:
         return StoreStatistics(
             responses=len(self._responses),
-            bytes=self._bytes,
-            evicted=self._evicted,
+            bytes=self._responses.bytes,
+            evicted=self._responses.evicted,
             max_responses=self.max_responses,
             max_bytes=self.max_bytes,
         )
