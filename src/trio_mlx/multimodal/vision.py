@@ -13,12 +13,12 @@ family's `_merge_input_ids_with_image_features`); other models encode every time
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
+from trio_mlx.bounded_map import BoundedMap
 from trio_mlx.multimodal.loading import VisionLanguageModel
 from trio_mlx.multimodal.prepare import VisionInputs
 
@@ -27,18 +27,15 @@ from trio_mlx.multimodal.prepare import VisionInputs
 class VisionCacheCounters:
     hits: int = 0
     misses: int = 0
-    evictions: int = 0
     encoded: int = 0  # vision tower runs (cached or not)
 
 
 class VisionFeatureCache:
-    """LRU of vision features by media hash, at most `max_entries` and `max_bytes`."""
+    """LRU of vision features by media hash, at most `max_entries` and `max_bytes` (a
+    `BoundedMap` touched on every hit); features larger than `max_bytes` are not kept."""
 
     def __init__(self, max_entries: int = 32, max_bytes: int = 512 * 1024 * 1024) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, Any] = OrderedDict()
-        self._bytes = 0
+        self._entries: BoundedMap[str, Any] = BoundedMap(max_entries, max_bytes)
         self.counters = VisionCacheCounters()
 
     def get(self, key: str) -> Any:
@@ -46,36 +43,24 @@ class VisionFeatureCache:
         if features is None:
             self.counters.misses += 1
             return None
-        self._entries.move_to_end(key)
+        self._entries.touch(key)
         self.counters.hits += 1
         return features
 
     def put(self, key: str, features: Any) -> None:
-        size = _nbytes(features)
-        if self.max_entries < 1 or size > self.max_bytes:
-            return
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._bytes -= _nbytes(old)
-        self._entries[key] = features
-        self._bytes += size
-        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            self._bytes -= _nbytes(dropped)
-            self.counters.evictions += 1
+        self._entries.put(key, features, _nbytes(features))
 
     def clear(self) -> None:
         self._entries.clear()
-        self._bytes = 0
 
     def statistics(self) -> dict[str, int]:
         c = self.counters
         return {
             "entries": len(self._entries),
-            "bytes": self._bytes,
+            "bytes": self._entries.bytes,
             "hits": c.hits,
             "misses": c.misses,
-            "evictions": c.evictions,
+            "evictions": self._entries.evicted,
             "encoded": c.encoded,
         }
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from trio_mlx.http.bounded_map import BoundedMap
+from trio_mlx.bounded_map import BoundedMap
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import json_text, new_id
 from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES

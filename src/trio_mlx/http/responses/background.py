@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from trio_mlx.bounded_map import BoundedMap
 from trio_mlx.http.access_log import RequestRecord
-from trio_mlx.http.bounded_map import BoundedMap
 from trio_mlx.http.errors import UNAVAILABLE, APIError
 from trio_mlx.http.generation import json_text
 from trio_mlx.http.ownership import disown

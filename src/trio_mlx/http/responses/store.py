@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trio_mlx.http.bounded_map import BoundedMap
+from trio_mlx.bounded_map import BoundedMap
 from trio_mlx.http.errors import APIError
 from trio_mlx.http.generation import json_text
 

@@ -1,10 +1,10 @@
-"""The bounded map of the server's stores (`http/bounded_map.py`): the oldest evicted first by
+"""The bounded map of the server's stores and the vision cache (`bounded_map.py`): the oldest evicted first by
 count and by bytes, touch making an entry the newest, sizes changed in place, entries too large
 for the budget, limits of 0."""
 
 from __future__ import annotations
 
-from trio_mlx.http.bounded_map import BoundedMap
+from trio_mlx.bounded_map import BoundedMap
 
 
 def test_the_oldest_goes_first_beyond_the_count() -> None:

@@ -1,8 +1,9 @@
 """A map bounded by its number of entries and by the bytes they take, the oldest evicted first.
 
-The server's in-memory stores keep their entries in one (`responses.store.ResponseStore`,
-`conversations.store.ConversationStore`, the ended responses of
-`responses.background.BackgroundResponses`). The contract:
+The server's in-memory stores keep their entries in one (`http.responses.store.ResponseStore`,
+`http.conversations.store.ConversationStore`, the ended responses of
+`http.responses.background.BackgroundResponses`), and so does the engine's cache of vision
+features (`multimodal.vision.VisionFeatureCache`). The contract:
 
 - Each entry is put with its size in bytes, which the caller measures; the map adds them up
   (`bytes`). It holds at most `max_count` entries and `max_bytes` bytes in all.
@@ -22,7 +23,8 @@ The server's in-memory stores keep their entries in one (`responses.store.Respon
   beyond `max_bytes`: a caller that must not exceed the budget checks the new size first. Left
   so, every other entry is evicted, and the map holds that one alone until it shrinks or goes.
 
-Not thread-safe: the server uses it from the Trio thread only.
+Not thread-safe: each map is used from one thread (the stores from the Trio thread, the vision
+cache from the runner's).
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ class BoundedMap(Generic[K, V]):
         self._sizes[key] = size
         self._bytes += size - old
         self._evict(keep=key)
+
+    def clear(self) -> None:
+        """Remove every entry (not counted as evicted)."""
+        self._values.clear()
+        self._sizes.clear()
+        self._bytes = 0
 
     def pop(self, key: K) -> V | None:
         """Remove the entry under `key` (not counted as evicted); the entry, or None."""
