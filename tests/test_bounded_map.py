@@ -1,6 +1,6 @@
-"""The bounded map of the server's stores and the vision cache (`bounded_map.py`): the oldest evicted first by
-count and by bytes, touch making an entry the newest, sizes changed in place, entries too large
-for the budget, limits of 0."""
+"""The bounded map of the server's stores and the vision cache (`bounded_map.py`): the oldest
+evicted first by count and by bytes, touch making an entry the newest, sizes changed in place,
+entries too large for the budget, limits of 0."""
 
 from __future__ import annotations
 
