@@ -226,6 +226,27 @@ def test_newer_arrivals_do_not_keep_the_oldest_waiting(loaded: LoadedModel) -> N
     assert joined_in.get(0) == 0
 
 
+def test_a_long_prompt_at_the_head_is_not_kept_waiting_by_groups(loaded: LoadedModel) -> None:
+    """A prompt longer than a chunk cannot be grouped; groups of newer short arrivals must not
+    take the budget it waits for: it takes its chunk first in every round (admission order), and
+    its tokens are its own alone."""
+    model = PassLog(loaded.model)
+    batch = decoder(model, loaded)  # chunks of 64
+    long = tuple(range(300, 500))
+    batch.add(job(0, long), None, 0)
+    done = []
+    for round_ in range(4):
+        for i in (1 + 2 * round_, 2 + 2 * round_):
+            batch.add(job(i, tuple(range(5 + i, 66 + i))), None, 0)
+        batch.prefill(120, 60.0)
+        done.append(next(s for s in batch.waiting if s.request_id == 0).prompt_done)
+        batch.join()
+    assert done == [64, 128, 192, 199]  # 199: all but its last token
+    assert any(rows > 1 for rows, _ in model.passes)  # the newer ones did group meanwhile
+    tokens = run(batch)
+    assert tokens[0] == alone(loaded, long, 10)
+
+
 def test_a_failing_group_pass_falls_back_to_one_pass_each(loaded: LoadedModel) -> None:
     """A pass that raises cannot say whose prompt it was: each prefills alone, and only the
     sequence whose own pass raises fails."""

@@ -45,7 +45,7 @@ from typing import Any
 import mlx.core as mx
 
 from trio_mlx.engine import batch_layout, batch_mask
-from trio_mlx.engine.batch_prefill import choose_group, prefill_together
+from trio_mlx.engine.batch_prefill import can_group, choose_group, prefill_together
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.decode import PrefillPlan
 from trio_mlx.types import TokenLogprob
@@ -87,44 +87,67 @@ def prefill(
 ) -> tuple[list[PrefillResult], bool]:
     """Prefill `waiting` sequences until `tokens` prompt tokens or `seconds` are spent (module
     docstring; `bucketed`: a group pass takes a bucketed shape, `batch_prefill`); a sequence
-    whose chunk raises leaves `waiting`. Return the results and whether a group pass raised."""
+    whose chunk raises leaves `waiting`. Return the results and whether a group pass raised.
+
+    With `group`, the sequences older than every one that could be grouped (a prompt longer
+    than a chunk, one with media) take their chunks first, so that groups of newer arrivals
+    never take the budget they wait for; then the group; then a chunk each for the rest, in
+    admission order."""
     results: list[PrefillResult] = []
     group_failed = False
     began = time.perf_counter()
-    chosen = choose_group(waiting, tokens, plan.step, plan.block) if group else []
-    if chosen:
-        try:
-            step = plan.step if bucketed and plan.block > 1 else None
-            done = prefill_together(model, chosen, plan.block, bucketed_up_to=step)
-        except Exception as exc:
-            # Not attributable to one of them: each prefills alone below, where a failure
-            # fails only its own sequence (their caches are as they were).
-            group_failed = True
-            log.warning(
-                "a prefill pass of %d arrivals failed (%s: %s); they prefill one by one",
-                len(chosen),
-                type(exc).__name__,
-                exc,
-            )
-        else:
-            for seq, (n, points) in zip(chosen, done, strict=True):
-                tokens -= n
-                results.append(PrefillResult(seq, n, points, grouped=True))
-    for seq in list(waiting):
-        if tokens <= 0 or time.perf_counter() - began >= seconds:
-            break
-        if seq.ready:
-            continue
-        scoring = seq.scoring
-        try:
-            n, points = seq.prefill_chunk(seq.prefill_model or model, tokens)
-        except Exception as exc:
-            waiting.remove(seq)
-            results.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
-            continue
-        tokens -= n  # a scoring chunk's tokens too: the budget bounds the pass, whatever model
-        results.append(PrefillResult(seq, scored=n) if scoring else PrefillResult(seq, n, points))
+    budget = [tokens]
+    chunked: set[int] = set()  # ids of the sequences given their chunk in this call
+
+    def chunks(sequences: Sequence[BatchSequence]) -> None:
+        for seq in list(sequences):
+            if budget[0] <= 0 or time.perf_counter() - began >= seconds:
+                return
+            if seq.ready or id(seq) in chunked:
+                continue
+            chunked.add(id(seq))
+            result = _chunk(model, seq, budget[0])
+            if result.error is not None:
+                waiting.remove(seq)
+            budget[0] -= result.prefilled + result.scored
+            results.append(result)
+
+    if group:
+        head = next((i for i, s in enumerate(waiting) if can_group(s, plan.step)), len(waiting))
+        chunks(waiting[:head])
+        rest = [s for s in waiting if id(s) not in chunked]
+        chosen = choose_group(rest, budget[0], plan.step, plan.block) if budget[0] > 0 else []
+        if chosen:
+            try:
+                step = plan.step if bucketed and plan.block > 1 else None
+                done = prefill_together(model, chosen, plan.block, bucketed_up_to=step)
+            except Exception as exc:
+                # Not attributable to one of them: each prefills alone below, where a failure
+                # fails only its own sequence (their caches are as they were).
+                group_failed = True
+                log.warning(
+                    "a prefill pass of %d arrivals failed (%s: %s); they prefill one by one",
+                    len(chosen),
+                    type(exc).__name__,
+                    exc,
+                )
+            else:
+                for seq, (n, points) in zip(chosen, done, strict=True):
+                    budget[0] -= n
+                    results.append(PrefillResult(seq, n, points, grouped=True))
+    chunks(waiting)
     return results, group_failed
+
+
+def _chunk(model: Any, seq: BatchSequence, tokens: int) -> PrefillResult:
+    """One prefill chunk of `seq` of at most `tokens` tokens: what it prefilled (a scoring
+    chunk's tokens as `scored`: they spend the budget too, whatever model), or its error."""
+    scoring = seq.scoring
+    try:
+        n, points = seq.prefill_chunk(seq.prefill_model or model, tokens)
+    except Exception as exc:
+        return PrefillResult(seq, error=f"{type(exc).__name__}: {exc}")
+    return PrefillResult(seq, scored=n) if scoring else PrefillResult(seq, n, points)
 
 
 def joined(

@@ -62,6 +62,12 @@ def groupable(seq: BatchSequence) -> bool:
     )
 
 
+def can_group(seq: BatchSequence, step: int) -> bool:
+    """Whether `seq` could take part in a group now: groupable, and its prefill finishes in one
+    pass (between 1 and `step` tokens left)."""
+    return 0 < seq.remaining_prompt() <= step and groupable(seq)
+
+
 def choose_group(
     waiting: Sequence[BatchSequence], tokens: int, step: int, block: int
 ) -> list[BatchSequence]:
@@ -79,9 +85,7 @@ def choose_group(
     the longest, where the padding would keep the oldest out of a group of a few rows. Fewer
     than two: none (one prefills alone as usual)."""
     candidates = [
-        (i, seq, left)
-        for i, seq in enumerate(waiting)
-        if 0 < (left := seq.remaining_prompt()) <= step and groupable(seq)
+        (i, seq, seq.remaining_prompt()) for i, seq in enumerate(waiting) if can_group(seq, step)
     ]
     if not candidates:
         return []
