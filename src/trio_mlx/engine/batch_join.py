@@ -13,12 +13,12 @@ pass instead, `batch_lone_media`: it is ready with that token as its `pending` i
 then its input to the next step.)
 
 `prefill` spends a budget of prompt tokens and seconds: with `group`, first a chunk each for the
-sequences older than every one that could be grouped (so that newer arrivals never overtake
-them), then the short prompts of several arrivals together in one pass where they can
-(`batch_prefill`); then, in admission order, a chunk each (`BatchSequence.prefill_chunk`; a prompt with media through its own
-`prefill_model`, `multimodal.joining`; a SpecPrefill row's scoring chunk or sparse prefill chunk,
-`batch_specprefill`: a scoring chunk's tokens spend the budget too, and are reported as `scored`,
-not prefilled).
+sequences older than every one that could be grouped (so that newer arrivals never overtake them),
+then the short prompts of several arrivals together in one pass where they can (`batch_prefill`);
+then, in admission order, a chunk each (`BatchSequence.prefill_chunk`; a prompt with media through
+its own `prefill_model`, `multimodal.joining`; a SpecPrefill row's scoring chunk or sparse prefill
+chunk, `batch_specprefill`: a scoring chunk's tokens spend the budget too, and are reported as
+`scored`, not prefilled).
 
 `joined` by the batch it joins (ready sequences join in admission order, after the batch's rows):
 - an empty batch and one joiner, with solo rows: the joiner's own cache becomes the batch's cache
