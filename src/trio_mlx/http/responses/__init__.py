@@ -11,8 +11,9 @@ and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, and the b
 - `reply_tokens`: which of the reply's tokens wrote its text, its reasoning or its calls;
 - `stream`: the event sequence of a streamed response, for SSE and the WebSocket;
 - `socket`: the WebSocket mode: `response.create` messages in, events out, on one connection;
+- `socket_lanes`: its lanes (`stream_id`), served concurrently, each in order, and their bounds;
 - `store`: responses kept for `previous_response_id` (the server's bounded store, a WebSocket
-  connection's most recent response);
+  connection's most recent response of each lane);
 - `items`: input items as a stored response keeps them, and the stored responses' routes;
 - `background`: responses run in the server's own nursery (`background: true`), retrieved
   while they run, their event streams followed again, cancelled.

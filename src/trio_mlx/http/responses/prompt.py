@@ -30,7 +30,7 @@ from trio_mlx.http.objects import InputTokenCount
 from trio_mlx.http.responses.conversation import input_messages, name_input_field
 from trio_mlx.http.responses.items import kept_item, own_items
 from trio_mlx.http.responses.requests import InputItem, InputTokensRequest, ResponsesRequest
-from trio_mlx.http.responses.store import ConnectionCache, StoredResponse, previous_response
+from trio_mlx.http.responses.store import LaneCache, StoredResponse, previous_response
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.tooling import plan_tools
 
@@ -47,7 +47,7 @@ class ResponsePrompt:
         self,
         state: ServerState,
         body: ResponsesRequest | InputTokensRequest,
-        connection: ConnectionCache | None = None,
+        connection: LaneCache | None = None,
     ) -> None:
         body.check_supported()
         self.engine, self.model = state.engine_for(body.model)

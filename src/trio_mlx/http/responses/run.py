@@ -38,7 +38,7 @@ from trio_mlx.http.objects import (
 from trio_mlx.http.responses.prompt import CONTEXT_LENGTH_EXCEEDED, ResponsePrompt
 from trio_mlx.http.responses.reply_tokens import ReplyTokens
 from trio_mlx.http.responses.requests import ResponsesRequest
-from trio_mlx.http.responses.store import ConnectionCache, ResponseKeeper
+from trio_mlx.http.responses.store import LaneCache, ResponseKeeper
 from trio_mlx.http.state import ServerState
 from trio_mlx.http.structured_output import responses_output_format
 from trio_mlx.http.tooling import CallReader
@@ -50,10 +50,10 @@ async def start_response(
     state: ServerState,
     body: ResponsesRequest,
     record: RequestRecord,
-    connection: ConnectionCache | None = None,
+    connection: LaneCache | None = None,
 ) -> ResponseRun:
-    """Validate and admit a Responses request (on a WebSocket, `connection` is its cache of
-    its most recent response); raises `APIError` before anything is sent. With
+    """Validate and admit a Responses request (on a WebSocket, `connection` is its lane's view
+    of the connection's cache of responses); raises `APIError` before anything is sent. With
     `truncation: "auto"`, a conversation the context cannot hold is truncated
     (`ResponsePrompt.truncate`) and admitted again."""
     prompt = ResponsePrompt(state, body, connection)

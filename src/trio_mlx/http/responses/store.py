@@ -18,11 +18,14 @@ Two places keep them, both in memory:
   turns' items included: a chain's items, shared by reference between its turns, count once for
   each turn that holds them, so the count only overstates what the items' text takes. (Their
   Python objects take a few times their JSON length.)
-- `ConnectionCache`, one WebSocket connection's: its most recent response, kept whether `store`
-  is true or false (OpenAI's connection-local cache, which makes the WebSocket mode work with
-  `store: false`). A turn that fails (refused, or its generation failed) drops the response it
-  named from the cache, as OpenAI's does, so that a retry does not continue from stale state;
-  the server's store, where the response is stored too, still has it.
+- `ConnectionCache`, one WebSocket connection's: each lane's most recent response (`stream_id`,
+  `socket_lanes`; the default lane's too), kept whether `store` is true or false (OpenAI's
+  connection-local cache, which makes the WebSocket mode work with `store: false`); any lane's
+  response can be continued from any lane of the connection (a fork). At most
+  `CACHED_LANES` lanes' responses, the lane that kept one least recently dropped first. A turn
+  that fails (refused, or its generation failed) drops the response it named from the cache,
+  as OpenAI's does, so that a retry does not continue from stale state; the server's store,
+  where the response is stored too, still has it.
 
 Everything runs on the Trio thread: no locks.
 """
@@ -146,20 +149,59 @@ class ResponseStore:
         )
 
 
-class ConnectionCache:
-    """One WebSocket connection's most recent response (see the module docstring)."""
+#: How many lanes' most recent responses a WebSocket connection keeps (`ConnectionCache`).
+CACHED_LANES = 32
 
-    def __init__(self) -> None:
-        self.latest: StoredResponse | None = None
+
+class ConnectionCache:
+    """One WebSocket connection's responses: each lane's most recent one, for at most
+    `max_lanes` lanes (see the module docstring). A lane is its `stream_id`, None the default
+    lane's."""
+
+    def __init__(self, max_lanes: int = CACHED_LANES) -> None:
+        # Bounded by count alone: each entry is put as 0 bytes.
+        self._latest: BoundedMap[str | None, StoredResponse] = BoundedMap(max_lanes, 0)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        latest = self.latest
-        return latest if latest is not None and latest.id == response_id else None
+        """The response `response_id` if it is a lane's most recent one."""
+        for lane in self._latest:
+            found = self._latest.get(lane)
+            if found is not None and found.id == response_id:
+                return found
+        return None
+
+    def keep(self, lane: str | None, response: StoredResponse) -> None:
+        """`response` is now `lane`'s most recent one (and that lane the newest)."""
+        self._latest.put(lane, response, 0)
 
     def evict(self, response_id: str | None) -> None:
-        """Drop the cached response if it is `response_id`."""
-        if response_id is not None and self.get(response_id) is not None:
-            self.latest = None
+        """Drop the response `response_id` from whichever lane holds it."""
+        for lane in list(self._latest):
+            found = self._latest.get(lane)
+            if found is not None and found.id == response_id:
+                self._latest.pop(lane)
+
+    def lane(self, stream_id: str | None) -> LaneCache:
+        """The cache as a response of lane `stream_id` uses it."""
+        return LaneCache(self, stream_id)
+
+
+@dataclass(frozen=True)
+class LaneCache:
+    """A lane's view of its connection's cache: it reads (and evicts) any lane's responses,
+    and keeps its own as its lane's most recent one."""
+
+    connection: ConnectionCache
+    stream_id: str | None
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self.connection.get(response_id)
+
+    def evict(self, response_id: str | None) -> None:
+        self.connection.evict(response_id)
+
+    def keep(self, response: StoredResponse) -> None:
+        self.connection.keep(self.stream_id, response)
 
 
 class ResponseKeeper:
@@ -173,7 +215,7 @@ class ResponseKeeper:
         input_items: Callable[[], Sequence[dict[str, Any]]],
         previous: StoredResponse | None,
         store: ResponseStore | None,
-        connection: ConnectionCache | None,
+        connection: LaneCache | None,
         ended: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self._input_items = input_items
@@ -197,7 +239,7 @@ class ResponseKeeper:
         if self._store is not None:
             self._store.put(stored)
         if self._connection is not None:
-            self._connection.latest = stored
+            self._connection.keep(stored)
 
     def failed(self, previous_response_id: str | None) -> None:
         """The response failed: its connection forgets the response it continued."""
@@ -206,9 +248,9 @@ class ResponseKeeper:
 
 
 def previous_response(
-    response_id: str, store: ResponseStore, connection: ConnectionCache | None = None
+    response_id: str, store: ResponseStore, connection: LaneCache | None = None
 ) -> StoredResponse:
-    """The response a request continues: the connection's most recent one, else the server's
+    """The response a request continues: one its connection's lanes keep, else the server's
     stored one; else OpenAI's 400 `previous_response_not_found`."""
     found = connection.get(response_id) if connection is not None else None
     found = found or store.get(response_id)
