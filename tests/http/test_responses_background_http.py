@@ -9,11 +9,13 @@ greedy, the two write the same text.
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import trio
@@ -82,6 +84,33 @@ async def test_a_background_response_runs_to_the_text_of_a_foreground_one(
         **{**GREEDY, "max_output_tokens": 4, "input": "More?"}, previous_response_id=started.id
     )
     assert continued.status in ("completed", "incomplete")
+
+
+async def test_a_background_generation_is_counted_in_metrics_when_it_ends(
+    http: httpx.AsyncClient, client: openai.AsyncOpenAI
+) -> None:
+    """`/metrics` counts a background response's generation once, when it ends (its `POST`,
+    answered at once, generated nothing): its tokens and its finish."""
+    tokens, success = "generation_tokens_total", 'finished_reason="length"'
+    before = (await http.get("/metrics")).text
+    started = await client.responses.create(
+        **{**GREEDY, "max_output_tokens": 12, "extra_body": NO_EOS}, background=True
+    )
+    await retrieved_when(client, started.id, lambda r: r.status in ENDED)
+    after = (await http.get("/metrics")).text
+    assert metric(after, tokens) - metric(before, tokens) == 12
+    assert (
+        metric(after, "request_success_total", success)
+        - metric(before, "request_success_total", success)
+        == 1
+    )
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """A sample of `/metrics` (0 when it has none yet)."""
+    pattern = rf"^trio_mlx:{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$"
+    match = re.search(pattern, text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
 
 
 async def test_background_needs_the_response_stored(client: openai.AsyncOpenAI) -> None:

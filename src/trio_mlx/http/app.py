@@ -83,7 +83,7 @@ def create_app(state: ServerState) -> QuartTrio:
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
     app.url_map.converters["response_id"] = ResponseIdConverter
-    metrics = Metrics()
+    metrics = state.metrics
     routes: Any = RequestOwner(app.asgi_app)
     if state.settings.api_key:
         # Inside the access log, so that a refused request is logged with its 401.

@@ -17,6 +17,7 @@ import trio
 from trio_mlx.actors.engine import Engine
 from trio_mlx.http.conversations.store import ConversationStore
 from trio_mlx.http.errors import NOT_FOUND, UNAVAILABLE, APIError
+from trio_mlx.http.metrics import Metrics
 from trio_mlx.http.responses.background import BackgroundResponses
 from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES, ResponseStore
 
@@ -70,11 +71,14 @@ class ServerState:
         )
         #: Responses running in the background (`background`), and the last ended ones; each
         #: running one counts as a request in flight.
+        #: The request metrics of `/metrics` (each generation observed once, as it ends).
+        self.metrics = Metrics()
         self.background = BackgroundResponses(
             settings.response_store_size,
             settings.response_store_bytes,
             self.request_started,
             self.request_ended,
+            observe=self.metrics.observe,
         )
 
     @property

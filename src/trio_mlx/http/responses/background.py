@@ -29,13 +29,16 @@ unknown id is a 404.
 A running background response counts as a request in flight (`ServerState.in_flight`): a
 draining server gives it `shutdown_timeout` seconds to end, then closes the engine, which ends it
 `failed` (aborted); what is still running when the engine's life ends is cancelled. A task
-that fails fails alone: it ends its response `failed`, never the server's nursery.
+that fails fails alone: it ends its response `failed`, never the server's nursery. Its
+generation is observed in `/metrics` when it ends (`observe`), as a foreground one's is when its
+exchange ends: the `POST` that started it counts none.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -159,12 +162,17 @@ class BackgroundResponses:
         max_bytes: int,
         started: Callable[[], None] = lambda: None,
         ended: Callable[[], None] = lambda: None,
+        *,
+        observe: Callable[[RequestRecord, float], None] = lambda record, elapsed: None,
     ) -> None:
         self.keep = max(0, keep)
         self.max_bytes = max(0, max_bytes)
         #: Called as a task starts and ends: it counts as a request in flight.
         self._started = started
         self._ended = ended
+        #: Called once a generation has ended with its record and seconds since it was handed
+        #: over (the metrics: the `POST`'s own record ended with no generation in it).
+        self._observe = observe
         self._running: dict[str, BackgroundResponse] = {}
         #: The ended ones kept, each counted at its `size`.
         self._done: BoundedMap[str, BackgroundResponse] = BoundedMap(self.keep, self.max_bytes)
@@ -200,10 +208,10 @@ class BackgroundResponses:
         entry = BackgroundResponse(run, events, streamed)
         self._running[entry.id] = entry
         self._started()
-        nursery.start_soon(self._run, entry, name=f"background {entry.id}")
+        nursery.start_soon(self._run, entry, time.monotonic(), name=f"background {entry.id}")
         return entry
 
-    async def _run(self, entry: BackgroundResponse) -> None:
+    async def _run(self, entry: BackgroundResponse, began: float) -> None:
         assert entry.run is not None and entry.events is not None
         run, status = entry.run, "cancelled"
         try:
@@ -216,6 +224,7 @@ class BackgroundResponses:
             status = "failed"
         finally:
             run.close()
+            self._observe(run.record, time.monotonic() - began)
             entry.end(status)
             self._running.pop(entry.id, None)
             if not entry.forgotten:
