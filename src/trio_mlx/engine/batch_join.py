@@ -97,27 +97,27 @@ def prefill(
     results: list[PrefillResult] = []
     group_failed = False
     began = time.perf_counter()
-    budget = [tokens]
     chunked: set[int] = set()  # ids of the sequences given their chunk in this call
 
     def chunks(sequences: Sequence[BatchSequence]) -> None:
+        nonlocal tokens
         for seq in list(sequences):
-            if budget[0] <= 0 or time.perf_counter() - began >= seconds:
+            if tokens <= 0 or time.perf_counter() - began >= seconds:
                 return
             if seq.ready or id(seq) in chunked:
                 continue
             chunked.add(id(seq))
-            result = _chunk(model, seq, budget[0])
+            result = _chunk(model, seq, tokens)
             if result.error is not None:
                 waiting.remove(seq)
-            budget[0] -= result.prefilled + result.scored
+            tokens -= result.prefilled + result.scored
             results.append(result)
 
     if group:
         head = next((i for i, s in enumerate(waiting) if can_group(s, plan.step)), len(waiting))
         chunks(waiting[:head])
         rest = [s for s in waiting if id(s) not in chunked]
-        chosen = choose_group(rest, budget[0], plan.step, plan.block) if budget[0] > 0 else []
+        chosen = choose_group(rest, tokens, plan.step, plan.block) if tokens > 0 else []
         if chosen:
             try:
                 step = plan.step if bucketed and plan.block > 1 else None
@@ -134,7 +134,7 @@ def prefill(
                 )
             else:
                 for seq, (n, points) in zip(chosen, done, strict=True):
-                    budget[0] -= n
+                    tokens -= n
                     results.append(PrefillResult(seq, n, points, grouped=True))
     chunks(waiting)
     return results, group_failed

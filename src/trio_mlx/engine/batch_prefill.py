@@ -68,6 +68,10 @@ def can_group(seq: BatchSequence, step: int) -> bool:
     return 0 < seq.remaining_prompt() <= step and groupable(seq)
 
 
+#: A sequence that could be grouped: its place in `waiting`, itself, its rest's tokens.
+_Candidate = tuple[int, "BatchSequence", int]
+
+
 def choose_group(
     waiting: Sequence[BatchSequence], tokens: int, step: int, block: int
 ) -> list[BatchSequence]:
@@ -92,28 +96,39 @@ def choose_group(
     oldest = candidates[0]
     by_length = sorted(candidates, key=lambda c: (-c[2], c[0]))
     orders = (by_length, [oldest, *(c for c in by_length if c is not oldest)])
-    best: list[tuple[int, BatchSequence, int]] = []
+    best: list[_Candidate] = []
     most = 0
     for width in sorted({_whole_blocks(left, block) for _, _, left in candidates}):
         if width < _whole_blocks(oldest[2], block):
             continue
         for order in orders:
-            group: list[tuple[int, BatchSequence, int]] = []
-            real = 0
-            held = False  # whether the oldest is in the group yet (else its rest is kept free)
-            for entry in order:
-                left = entry[2]
-                kept = 0 if held or entry is oldest else oldest[2]
-                if _whole_blocks(left, block) > width or real + left + kept > tokens:
-                    continue
-                if group and (len(group) + 1) * width > MAX_PADDING_FACTOR * (real + left):
-                    continue
-                group.append(entry)
-                real += left
-                held = held or entry is oldest
-            if held and len(group) >= 2 and real > most:
+            group = _filled(order, oldest, width, tokens, block)
+            real = sum(left for _, _, left in group)
+            if len(group) >= 2 and real > most:
                 best, most = group, real
     return [seq for _, seq, _ in sorted(best, key=lambda c: c[0])]
+
+
+def _filled(
+    order: Sequence[_Candidate], oldest: _Candidate, width: int, tokens: int, block: int
+) -> list[_Candidate]:
+    """A group of width `width` (in whole `block`s), taken greedily in `order`: the rests that
+    fit the width, within `tokens` (room kept for `oldest`'s rest until it is in) and the
+    padding bound; empty unless `oldest` is in it."""
+    group: list[_Candidate] = []
+    real = 0
+    held = False  # whether the oldest is in the group yet (else its rest is kept free)
+    for entry in order:
+        left = entry[2]
+        kept = 0 if held or entry is oldest else oldest[2]
+        if _whole_blocks(left, block) > width or real + left + kept > tokens:
+            continue
+        if group and (len(group) + 1) * width > MAX_PADDING_FACTOR * (real + left):
+            continue
+        group.append(entry)
+        real += left
+        held = held or entry is oldest
+    return group if held else []
 
 
 def prefill_together(
