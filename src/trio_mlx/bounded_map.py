@@ -2,8 +2,9 @@
 
 The server's in-memory stores keep their entries in one (`http.responses.store.ResponseStore`,
 `http.conversations.store.ConversationStore`, the ended responses of
-`http.responses.background.BackgroundResponses`), and so does the engine's cache of vision
-features (`multimodal.vision.VisionFeatureCache`). The contract:
+`http.responses.background.BackgroundResponses`), and so do the engine's cache of vision
+features (`multimodal.vision.VisionFeatureCache`) and of compiled grammars
+(`structured.compiler`, bounded by count alone: its entries are put as 0 bytes). The contract:
 
 - Each entry is put with its size in bytes, which the caller measures; the map adds them up
   (`bytes`). It holds at most `max_count` entries and `max_bytes` bytes in all.
@@ -24,7 +25,7 @@ features (`multimodal.vision.VisionFeatureCache`). The contract:
   so, every other entry is evicted, and the map holds that one alone until it shrinks or goes.
 
 Not thread-safe: each map is used from one thread (the stores from the Trio thread, the vision
-cache from the runner's).
+cache from the runner's) or under its owner's lock (the grammar cache).
 """
 
 from __future__ import annotations

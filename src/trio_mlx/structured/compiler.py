@@ -14,13 +14,13 @@ the runner thread). One compiler serves one tokenizer; `compile` is thread-safe.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 
+from trio_mlx.bounded_map import BoundedMap
 from trio_mlx.errors import InvalidRequest
 from trio_mlx.structured.formats import OutputFormat
 from trio_mlx.structured.matcher import GrammarMatcher
@@ -90,7 +90,8 @@ class GrammarCompiler:
             eos_token_ids = getattr(tokenizer, "eos_token_ids", None)
         self._eos = sorted({int(t) for t in eos_token_ids}) if eos_token_ids else None
         self._capacity = cache_size
-        self._cache: OrderedDict[OutputFormat, CompiledGrammar] = OrderedDict()
+        #: Least recently used first, bounded by count alone (each entry put as 0 bytes).
+        self._cache: BoundedMap[OutputFormat, CompiledGrammar] = BoundedMap(cache_size, 0)
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
         self._hits = 0
@@ -104,17 +105,14 @@ class GrammarCompiler:
         with self._lock:
             hit = self._cache.get(fmt)
             if hit is not None:
-                self._cache.move_to_end(fmt)
+                self._cache.touch(fmt)
                 self._hits += 1
                 return hit if hit.format.param == fmt.param else _renamed(hit, fmt)
             self._misses += 1
             ll_tokenizer = self._grammar_tokenizer(fmt.param)
         compiled = _compile(fmt, ll_tokenizer)
         with self._lock:
-            self._cache[fmt] = compiled
-            self._cache.move_to_end(fmt)
-            while len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
+            self._cache.put(fmt, compiled, 0)
         return compiled
 
     def cache_info(self) -> GrammarCacheInfo:
