@@ -72,14 +72,18 @@ def run(batch: BatchDecoder) -> dict[int, list[int]]:
     return tokens
 
 
-def decoder(model: Any, loaded: LoadedModel) -> BatchDecoder:
+def decoder(model: Any, loaded: LoadedModel, plan: PrefillPlan | None = None) -> BatchDecoder:
     return BatchDecoder(
         model,
         frozenset(),
         vocab_size=len(loaded.tokenizer),
-        plan=PrefillPlan(64),
+        plan=plan or PrefillPlan(64),
         split_at_store_points=False,
     )
+
+
+#: Chunks of 64 in blocks of 8: rests count in whole blocks, as with a GPU's padded chunks.
+BLOCKS_OF_8 = PrefillPlan(64, tail=64, block=8)
 
 
 def job(i: int, prompt: tuple[int, ...], max_tokens: int = 10, **kw: Any) -> GenerationJob:
@@ -181,13 +185,7 @@ def test_a_short_rest_at_the_head_does_not_keep_the_burst_apart(loaded: LoadedMo
     would be too much padding (2 x 64 for 63); the group is all of them (4 x 64 for 183) in one
     pass, and every sequence's greedy tokens are its own alone."""
     model = PassLog(loaded.model)
-    batch = BatchDecoder(
-        model,
-        frozenset(),
-        vocab_size=len(loaded.tokenizer),
-        plan=PrefillPlan(64, tail=64, block=8),
-        split_at_store_points=False,
-    )
+    batch = decoder(model, loaded, BLOCKS_OF_8)
     head = tuple(range(100, 140))
     batch.add(job(0, head), prefix_cache(loaded, head[:36]), 36)
     prompts = [tuple(range(5 + i, 66 + i)) for i in range(3)]
@@ -206,13 +204,7 @@ def test_newer_arrivals_do_not_keep_the_oldest_waiting(loaded: LoadedModel) -> N
     newer arrivals would take it all, and the oldest (3 tokens left, too short to ride with one
     of them alone) would get no chunk after it. Each round brings two more arrivals: the oldest
     still joins in the first round, as it did when the group was taken in admission order."""
-    batch = BatchDecoder(
-        loaded.model,
-        frozenset(),
-        vocab_size=len(loaded.tokenizer),
-        plan=PrefillPlan(64, tail=64, block=8),
-        split_at_store_points=False,
-    )
+    batch = decoder(loaded.model, loaded, BLOCKS_OF_8)
     head = tuple(range(100, 140))
     batch.add(job(0, head), prefix_cache(loaded, head[:36]), 36)
     joined_in: dict[int, int] = {}
