@@ -204,6 +204,13 @@ def test_a_rest_that_fits_goes_whole_and_a_cut_one_takes_a_rung(tiny_model_dir: 
     assert cut.prefill_chunk(recorder, 40)[0] == 32
     assert cut.prefill_chunk(recorder, 40)[0] == 32
     assert recorder.passes == [(32, 32), (32, key_width(64))]
+    recorder.passes.clear()
+    # While rows decode (`rungs`), a rest that fits the budget is cut to rungs too: 99 tokens go
+    # as 64 and 32 (and the last 3 padded to a block), not as one pass of 96, a new shape.
+    decoding = sequence(100)
+    while not decoding.ready:
+        decoding.prefill_chunk(recorder, 4096, rungs=True)
+    assert [tokens for tokens, _ in recorder.passes] == [64, 32, BLOCK]
 
 
 class IgnoresCacheMasks:

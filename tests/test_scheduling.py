@@ -34,20 +34,40 @@ def test_chunks_shrink_while_others_decode_and_stay_whole_blocks() -> None:
 
 def test_a_pass_with_a_fixed_cost_gets_chunks_sized_by_the_fitted_line() -> None:
     """A GPU-like device: every pass costs 7 ms plus 10 us a token. From a 64-token chunk alone
-    the rate (~9,000 tokens/s) would give a 20 ms budget 180 tokens; the line gives 1,300."""
+    the rate (~9,000 tokens/s) would give a 20 ms budget 180 tokens; the line gives 1,300, which
+    the pacer reaches one doubling at a time past the largest chunk seen to keep within it."""
     pacer = PrefillPacer(max_tokens=4096, target_seconds=0.25)
     pacer.observe_chunk(64, 0.007 + 64e-5)
     assert pacer.per_token is None  # one size: no line yet
     pacer.observe_decode(0.01)
-    assert pacer.chunk_tokens(decoding=1, waiting=1) == int(0.02 * 64 / (0.007 + 64e-5))
+    assert int(0.02 * 64 / (0.007 + 64e-5)) == 167  # what the rate alone would allow
+    assert pacer.chunk_tokens(decoding=1, waiting=1) == 128  # twice the 64 seen to fit
     pacer.observe_chunk(512, 0.007 + 512e-5)
     assert pacer.per_token == pytest.approx(1e-5) and pacer.overhead == pytest.approx(0.007)
+    assert pacer.chunk_tokens(decoding=1, waiting=1) == 1024  # twice the 512 seen to fit
+    pacer.observe_chunk(1024, 0.007 + 1024e-5)
     assert pacer.chunk_tokens(decoding=1, waiting=1) in (1299, 1300)  # (20 ms - 7 ms) / 10 us
+    assert pacer.chunk_tokens(decoding=0) == 4096  # nothing decodes: the line alone
     # A budget under the fixed cost still buys a quarter of it in tokens (a pass costs 7 ms
-    # however small): 1.75 ms / 10 us.
+    # however small): 1.75 ms / 10 us by the line, 128 by the 64-token chunk that took
+    # 7.6 ms, under the 8.75 ms such a chunk may take.
     pacer.decode_step = 0.002  # a 2 ms step, as learned
     assert pacer.budget_seconds(decoding=1, waiting=1) < pacer.overhead
-    assert pacer.chunk_tokens(decoding=1, waiting=1) in (174, 175)
+    assert pacer.chunk_tokens(decoding=1, waiting=1) == 128
+
+
+def test_while_rows_decode_a_chunk_grows_one_doubling_past_what_was_seen_to_fit() -> None:
+    """The H100's 8B case: chunks of 64 and 256 tokens took 18-20 ms, so the line promises ~600
+    tokens in a 24 ms budget, where a larger chunk over a longer key length took 134 ms: only
+    twice the 256 seen to fit may go, and more once a larger chunk has kept within it."""
+    pacer = PrefillPacer(max_tokens=2048, block=64, target_seconds=0.25)
+    for tokens, seconds in ((64, 0.0182), (256, 0.0199), (256, 0.0194)):
+        pacer.observe_chunk(tokens, seconds)
+    pacer.observe_decode(0.012)
+    assert pacer.chunk_tokens(decoding=0) == 2048  # nothing decodes: the line alone
+    assert pacer.chunk_tokens(decoding=16, waiting=1) == 512
+    pacer.observe_chunk(512, 0.021)
+    assert pacer.chunk_tokens(decoding=16, waiting=1) > 512
 
 
 def test_a_crowd_waiting_beside_a_small_batch_gets_a_longer_chunk() -> None:

@@ -41,6 +41,9 @@ Per sequence, as on the serialized route (`decode.ActiveSequence`): its own toke
 batched argmax), its EOS set and `max_tokens`; a row continuing a prompt with media, its own
 positions (`BatchSequence.rope_delta`, `multimodal.joining`).
 
+Rows of very different lengths (a long prompt joined short ones) attend in two groups, the short
+rows over only the columns they use (`ragged_attention`), not every row over the longest's width.
+
 Constrained rows (a job with a `grammar`: each row its own `GrammarMatcher`) are chosen after
 the previous step is read, their masks computed while the device runs the step
 (`batch_constrained`); a batch with one row may take speculative steps instead of `decode`
@@ -57,7 +60,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_join
+from trio_mlx.engine import batch_join, ragged_attention
 from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
@@ -82,10 +85,12 @@ from trio_mlx.engine.batch_step import (
     read_step,
     spent_rows,
 )
-from trio_mlx.engine.compiled_step import CompiledDecode
+from trio_mlx.engine.compiled_step import COMPILABLE_MODULES, CompiledDecode
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+from trio_mlx.engine.decode_attention import install_dispatcher
 from trio_mlx.engine.padded_attention import padded_attention_default
 from trio_mlx.engine.prefill_shapes import padded_prefill_default
+from trio_mlx.engine.ragged_attention import RaggedPlan
 from trio_mlx.engine.specprefill import SpecPrefillCounters, SpecPrefillSettings
 from trio_mlx.engine.speculative import Speculator
 
@@ -110,6 +115,9 @@ class BatchDecoder:
     #: (`bench.burst`, docs/benchmarks); not on the CPU, where a pass costs by its tokens and
     #: grouping did not pay. True / False: on / off whatever the backend
     group_prefill: bool | None = None
+    #: a batch of rows of very different lengths attends in two groups, the short rows over
+    #: only the columns they use (`ragged_attention`); False: every row over the whole width
+    ragged_attention = True
 
     def __init__(
         self,
@@ -156,6 +164,9 @@ class BatchDecoder:
         self._padded_prefill = (
             padded_prefill_default() if padded_prefill is None else padded_prefill
         )
+        self._ragged: RaggedPlan | None = None  # the last step's (`ragged_attention`)
+        if self.ragged_attention:
+            install_dispatcher(COMPILABLE_MODULES)
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -268,6 +279,9 @@ class BatchDecoder:
         rows = list(self.rows)
         spent = spent_rows(rows, self._queued)
         feed(rows)
+        if self.ragged_attention and not self.solo:
+            lengths = [seq.cached_length for seq in rows]
+            self._ragged = ragged_attention.prepare(self._cache, lengths, self._ragged)
         own = lone_step_model(rows, solo=self.solo) if self.lone_media else None
         logits = forward(
             self._model, rows, self._inputs, self._cache, own=own, compiled=self._compiled
@@ -432,6 +446,7 @@ class BatchDecoder:
             seconds,
             group=group,
             bucketed=self._padded_prefill,
+            rungs=self.decoding > 0,
         )
         self.group_failures += group_failed
         if lone is not None and lone in self.waiting and fits_first_pass(lone):

@@ -85,10 +85,12 @@ def prefill(
     *,
     group: bool,
     bucketed: bool = False,
+    rungs: bool = False,
 ) -> tuple[list[PrefillResult], bool]:
     """Prefill `waiting` sequences until `tokens` prompt tokens or `seconds` are spent (module
     docstring; `bucketed`: a group pass takes a bucketed shape, `batch_prefill`); a sequence
     whose chunk raises leaves `waiting`. Return the results and whether a group pass raised.
+    `rungs`: rows are decoding, every chunk is a rung of the ladder (`prefill_chunk`).
 
     With `group`, the sequences older than every one that could be grouped (a prompt longer
     than a chunk, one with media) take their chunks first, so that groups of newer arrivals
@@ -107,7 +109,7 @@ def prefill(
             if seq.ready or id(seq) in chunked:
                 continue
             chunked.add(id(seq))
-            result = _chunk(model, seq, tokens)
+            result = _chunk(model, seq, tokens, rungs)
             if result.error is not None:
                 waiting.remove(seq)
             tokens -= result.prefilled + result.scored
@@ -140,12 +142,12 @@ def prefill(
     return results, group_failed
 
 
-def _chunk(model: Any, seq: BatchSequence, tokens: int) -> PrefillResult:
+def _chunk(model: Any, seq: BatchSequence, tokens: int, rungs: bool) -> PrefillResult:
     """One prefill chunk of `seq` of at most `tokens` tokens: what it prefilled (a scoring
     chunk's tokens as `scored`: they spend the budget too, whatever model), or its error."""
     scoring = seq.scoring
     try:
-        n, points = seq.prefill_chunk(seq.prefill_model or model, tokens)
+        n, points = seq.prefill_chunk(seq.prefill_model or model, tokens, rungs=rungs)
     except Exception as exc:
         return PrefillResult(seq, error=f"{type(exc).__name__}: {exc}")
     return PrefillResult(seq, scored=n) if scoring else PrefillResult(seq, n, points)

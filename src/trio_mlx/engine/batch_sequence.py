@@ -159,13 +159,17 @@ class BatchSequence:
             reached.append(self._store_points.pop(0))
         return tuple(reached)
 
-    def prefill_chunk(self, model: Any, limit: int) -> tuple[int, tuple[int, ...]]:
+    def prefill_chunk(
+        self, model: Any, limit: int, *, rungs: bool = False
+    ) -> tuple[int, tuple[int, ...]]:
         """Run one chunk of at most `limit` prompt tokens (whole blocks, the last padded and cut
         back) on this sequence's own cache; return the tokens prefilled and the store points
         reached. With `padded`, a chunk that leaves some of the prompt is a rung of
-        `prefill_shapes.chunk_ladder` and, from the second chunk on, every chunk's attention runs
-        over its cache's buffer grown to a width bucket (`prefill_shapes.key_width`). Raises
-        whatever the model raises."""
+        `prefill_shapes.chunk_ladder` (with `rungs`, while other rows decode, every chunk of
+        more than a block is: a rest of another size would be an attention shape new to cuDNN,
+        65-135 ms on an H100's 8B, where a rung's chunk took 15-22 ms) and, from the second
+        chunk on, every chunk's attention runs over its cache's buffer grown to a width bucket
+        (`prefill_shapes.key_width`). Raises whatever the model raises."""
         assert self.cache is not None
         remaining = self.remaining_prompt()
         if remaining <= 0:
@@ -175,7 +179,7 @@ class BatchSequence:
         if self._split and self._store_points:
             n = min(n, self._store_points[0] - self.prompt_done)
         padded = self._padded and block > 1
-        if padded and n < remaining:  # the budget cuts the prompt: a rung of the ladder
+        if padded and (n < remaining or rungs):  # the budget cuts the prompt: a rung
             n = pass_size(n, block, self._plan.step)
         elif block > 1 and n >= block:
             n -= n % block

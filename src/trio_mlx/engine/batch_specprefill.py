@@ -79,11 +79,13 @@ class SpecPrefillRow(BatchSequence):
     def scoring(self) -> bool:
         return self._sparse is not None and self._sparse.scoring
 
-    def prefill_chunk(self, model: Any, limit: int) -> tuple[int, tuple[int, ...]]:
+    def prefill_chunk(
+        self, model: Any, limit: int, *, rungs: bool = False
+    ) -> tuple[int, tuple[int, ...]]:
         """One scoring chunk or one sparse prefill chunk of at most `limit` tokens (`model` is
-        the batch's, which the sparse prefill holds already); return the tokens through the
-        scoring model (while `scoring` before the call) or the kept tokens prefilled, and no
-        store points (none are taken). Raises whatever the models raise."""
+        the batch's, which the sparse prefill holds already; `rungs` does not apply); return the
+        tokens through the scoring model (while `scoring` before the call) or the kept tokens
+        prefilled, and no store points (none are taken). Raises whatever the models raise."""
         sparse = self._sparse
         if sparse is None:
             return 0, ()

@@ -121,7 +121,7 @@ class _TracedLayer:
         self._mask = mask
         self._kernel = kernel
 
-    def attend(self, queries: Any, keys: Any, values: Any, scale: float) -> Any:
+    def attend(self, queries: Any, keys: Any, values: Any, scale: float, mask: Any = None) -> Any:
         """Attention by `decode_attention`'s kernel where it is on and takes these shapes, else
         None (the model's own attention then runs, with `make_mask`'s mask)."""
         if not self._kernel or not decode_attention.supported(queries, keys):

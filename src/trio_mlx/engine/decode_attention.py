@@ -16,9 +16,10 @@ results are merged through shared memory. Grouped-query attention: query head `h
 head `h // (n_heads / n_kv_heads)`. The result equals softmax(q k^T * scale) v over positions
 `0..offset` up to float32 rounding of a different summation order.
 
-`installed()` puts a dispatcher in place of `scaled_dot_product_attention` in the model modules the
-traced step knows (`COMPILABLE_MODULES`): a call whose cache is the traced step's layer goes to
-`_TracedLayer.attend`, every other call to mlx-lm's own function, unchanged.
+`install_dispatcher` puts a dispatcher in place of `scaled_dot_product_attention` in the model
+modules the traced step knows (`COMPILABLE_MODULES`): a call whose cache has an `attend` goes there
+first (the traced step's layer, `_TracedLayer.attend`; a batch layer's `ragged_attention` plan),
+every other call, and one its `attend` declines (None), to mlx-lm's own function, unchanged.
 """
 
 from __future__ import annotations
@@ -181,8 +182,9 @@ def reference_attention(queries: Any, keys: Any, values: Any, offset: Any, scale
 
 
 def install_dispatcher(modules: frozenset[str]) -> None:
-    """Route `scaled_dot_product_attention` in each model module to the traced layer's `attend`
-    when the cache is one (idempotent; every other call reaches mlx-lm's function unchanged)."""
+    """Route `scaled_dot_product_attention` in each model module to its cache's `attend` where
+    the cache has one (the traced layer's, a batch's `ragged_attention` plan) and it answers
+    (idempotent; every other call reaches mlx-lm's function unchanged)."""
     for name in sorted(modules):
         module = importlib.import_module(name)
         original = getattr(module, "scaled_dot_product_attention", None)
@@ -201,7 +203,7 @@ def install_dispatcher(modules: frozenset[str]) -> None:
         ) -> Any:
             attend = getattr(cache, "attend", None)
             if attend is not None and sinks is None:
-                result = attend(queries, keys, values, scale)
+                result = attend(queries, keys, values, scale, mask)
                 if result is not None:
                     return result
             return _original(

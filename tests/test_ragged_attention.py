@@ -1,0 +1,111 @@
+"""Rows of very different lengths attend in two groups (`engine/ragged_attention.py`): the short
+rows over only the columns they use. The same attention as mlx-lm's over the whole width, and the
+same tokens as each request alone, an abort of the long row included (tiny fp32 model)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+import trio
+
+import trio_mlx
+from test_batching import assert_idle
+from trio_mlx.engine import ragged_attention
+from trio_mlx.engine.ragged_attention import RaggedPlan, plan_for
+
+GREEDY = {"max_tokens": 16, "temperature": 0.0}
+SHORT = ["Hello there", "Tell me about the sea", "Why is the sky blue?"]
+
+
+def test_the_plan_splits_only_where_it_reads_much_less() -> None:
+    plan = plan_for([2000, 20, 30, 25])
+    assert plan is not None
+    assert plan.short.tolist() == [1, 3, 2] and plan.long.tolist() == [0]
+    assert plan.window == 256  # 30 positions and the slack, in a block
+    # back in row order: row 0 is the long group's first output, after the three short ones
+    assert plan.order.tolist() == [3, 0, 2, 1]
+    assert plan_for([2000, 20, 30, 25], plan) is plan  # the same groups: the same arrays
+    assert plan_for([1500, 1400, 1450]) is None  # rows of like lengths: one group
+    assert plan_for([900, 10]) is None  # narrow: the gathers would cost more than they save
+    assert plan_for([5000]) is None
+
+
+def test_grouped_attention_equals_attention_over_the_whole_width() -> None:
+    mx.random.seed(3)
+    rows, heads, kv_heads, width, dims = 6, 4, 2, 1300, 16
+    lengths = [1300, 30, 12, 1100, 7, 40]  # the row of 1,100 is padded in the long group
+    queries = mx.random.normal((rows, heads, 1, dims))
+    keys = mx.random.normal((rows, kv_heads, width, dims))
+    values = mx.random.normal((rows, kv_heads, width, dims))
+    padding = mx.array([width - n for n in lengths])
+    mask = (mx.arange(width)[None, :] >= padding[:, None])[:, None, None, :]
+    plan = plan_for([n - 1 for n in lengths])  # the host's count before the step's token
+    assert plan is not None and sorted(plan.short.tolist()) == [1, 2, 4, 5]
+    grouped = plan(queries, keys, values, 0.25, mask)
+    whole = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask=mask)
+    assert grouped.shape == whole.shape
+    assert mx.allclose(grouped, whole, atol=1e-5).item()
+    # what it declines: a multi-token pass, no array mask, another row count
+    assert plan(mx.concatenate([queries, queries], axis=2), keys, values, 0.25, mask) is None
+    assert plan(queries, keys, values, 0.25, None) is None
+    assert plan(queries[:5], keys[:5], values[:5], 0.25, mask[:5]) is None
+
+
+async def alone(model_dir: Path, prompts: list[Any], **sampling: Any) -> list[list[int]]:
+    async with trio_mlx.open_engine(model_dir, max_num_seqs=1) as engine:
+        return [(await engine.generate(p, **sampling)).tokens for p in prompts]
+
+
+@pytest.mark.usefixtures("batch_pipeline")
+async def test_a_long_row_among_short_ones_gives_each_its_tokens_alone_and_aborts_cleanly(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Narrow enough for the tiny model's prompts, and windows of exactly what the rows hold
+    # (plus the slack), so that a window one position short would change a token.
+    monkeypatch.setattr(ragged_attention, "MIN_WIDTH", 256)
+    monkeypatch.setattr(ragged_attention, "WINDOW_BLOCK", 1)
+    grouped_steps = 0
+    original = RaggedPlan.__call__
+
+    def counted(self: RaggedPlan, *args: Any) -> Any:
+        nonlocal grouped_steps
+        result = original(self, *args)
+        grouped_steps += result is not None
+        return result
+
+    monkeypatch.setattr(RaggedPlan, "__call__", counted)
+    rng = random.Random(7)
+    long_prompt = [rng.randrange(100, 40_000) for _ in range(600)]
+    expected = await alone(tiny_model_dir, [*SHORT, long_prompt], **GREEDY)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+        results: dict[int, list[int]] = {}
+
+        async def short(i: int) -> None:
+            results[i] = (await engine.generate(SHORT[i], **GREEDY)).tokens
+
+        async def long(abort_after: int | None) -> None:
+            got: list[int] = []
+            job = engine.prepare_generate(long_prompt, **GREEDY)
+            async with engine.open_stream(job) as out:
+                async for part in out:
+                    got.extend(part.new_tokens)
+                    if abort_after is not None and len(got) >= abort_after:
+                        break  # the client goes away while the short rows decode beside it
+            results[3] = got
+
+        for abort_after in (None, 3):
+            results.clear()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(long, abort_after)
+                for i in range(len(SHORT)):
+                    nursery.start_soon(short, i)
+            for i in range(len(SHORT)):
+                assert results[i] == expected[i]
+            assert results[3] == expected[3][: len(results[3])]
+            assert len(results[3]) == (len(expected[3]) if abort_after is None else 3)
+        await assert_idle(engine)  # the aborted row left, nothing held
+    assert grouped_steps > 0  # the long row and the short ones did decode together
