@@ -55,6 +55,14 @@ def test_grouped_attention_equals_attention_over_the_whole_width() -> None:
     assert plan(queries[:5], keys[:5], values[:5], 0.25, mask[:5]) is None
 
 
+def test_the_warm_up_runs_a_grouped_attention_in_the_models_shape(tiny_model_dir: Path) -> None:
+    from trio_mlx.engine.loading import load_model
+
+    loaded = load_model(tiny_model_dir)
+    assert ragged_attention.warm_up(loaded.model) is True
+    assert ragged_attention.warm_up(object()) is False  # not a model the dispatcher reaches
+
+
 async def alone(model_dir: Path, prompts: list[Any], **sampling: Any) -> list[list[int]]:
     async with trio_mlx.open_engine(model_dir, max_num_seqs=1) as engine:
         return [(await engine.generate(p, **sampling)).tokens for p in prompts]

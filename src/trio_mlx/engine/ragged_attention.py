@@ -46,6 +46,8 @@ SLACK = 4
 WINDOW_BLOCK = 256
 #: Split only where the step would read at most this share of what it reads unsplit.
 MAX_SHARE = 0.5
+#: `warm_up`'s buffer is this much wider than its keys (a view, as a batch cache's are).
+MIN_STEP_SLICE = 16
 
 
 @dataclass(frozen=True)
@@ -140,3 +142,34 @@ def prepare(
         if type(layer) is BatchKVCache:
             layer.attend = plan  # type: ignore[attr-defined]
     return plan
+
+
+def warm_up(model: Any) -> bool:
+    """Run a grouped attention once at load, in the model's head shape and dtype, on small
+    arrays: MLX's CUDA backend compiles the gathers' kernels on first use, and on an H100 the
+    first grouped step of a fresh process (8B bf16) took 4.2 s. Returns whether it ran (a model
+    whose attention the dispatcher does not reach, or whose shape it cannot read: it did not)."""
+    from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
+
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if type(model).__module__ not in COMPILABLE_MODULES or not heads:
+        return False
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    dims = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
+    embed = model.model.embed_tokens  # these modules' models all have it
+    dtype = getattr(embed, "scales", embed.weight).dtype  # a quantized one: its scales'
+    lengths = [MIN_WIDTH, 1, 1, 1]  # one long row, three short ones
+    plan = plan_for(lengths)
+    assert plan is not None
+    width = MIN_WIDTH + 2
+    buffer = mx.zeros((len(lengths), kv_heads, width + MIN_STEP_SLICE, dims), dtype=dtype)
+    keys = buffer[..., :width, :]  # a view of a wider buffer, as `update_and_fetch` gives
+    queries = mx.zeros((len(lengths), heads, 1, dims), dtype=dtype)
+    padding = mx.array([width - n - 1 for n in lengths])
+    mask = (mx.arange(width)[None, :] >= padding[:, None])[:, None, None, :]
+    grouped = plan(queries, keys, keys, dims**-0.5, mask)
+    if grouped is None:
+        return False
+    mx.eval(grouped)
+    return True
