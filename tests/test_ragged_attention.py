@@ -24,11 +24,21 @@ SHORT = ["Hello there", "Tell me about the sea", "Why is the sky blue?"]
 def test_the_plan_splits_only_where_it_reads_much_less() -> None:
     plan = plan_for([2000, 20, 30, 25])
     assert plan is not None
-    assert plan.short.tolist() == [1, 3, 2] and plan.long.tolist() == [0]
-    assert plan.window == 256  # 30 positions and the slack, in a block
+    short, long = plan.groups
+    assert plan.members == ((1, 3, 2), (0,))
+    assert short.rows.tolist() == [1, 3, 2] and short.window == 30 and short.masked
+    assert long.rows == slice(0, 1) and long.window == 2000 and not long.masked
     # back in row order: row 0 is the long group's first output, after the three short ones
     assert plan.order.tolist() == [3, 0, 2, 1]
-    assert plan_for([2000, 20, 30, 25], plan) is plan  # the same groups: the same arrays
+    again = plan_for([2001, 21, 31, 26], plan)  # the same groups, a step later
+    assert again is not None and again.groups[0].rows is short.rows and again.order is plan.order
+    # consecutive groups in row order: views, and no putting back
+    plan = plan_for([20, 20, 20, 2000])
+    assert plan is not None and plan.order is None
+    assert [(g.rows, g.window, g.masked) for g in plan.groups] == [
+        (slice(0, 3), 20, False),
+        (slice(3, 4), 2000, False),
+    ]
     assert plan_for([1500, 1400, 1450]) is None  # rows of like lengths: one group
     assert plan_for([900, 10]) is None  # narrow: the gathers would cost more than they save
     assert plan_for([5000]) is None
@@ -43,16 +53,29 @@ def test_grouped_attention_equals_attention_over_the_whole_width() -> None:
     values = mx.random.normal((rows, kv_heads, width, dims))
     padding = mx.array([width - n for n in lengths])
     mask = (mx.arange(width)[None, :] >= padding[:, None])[:, None, None, :]
-    plan = plan_for([n - 1 for n in lengths])  # the host's count before the step's token
-    assert plan is not None and sorted(plan.short.tolist()) == [1, 2, 4, 5]
+    plan = plan_for(lengths)
+    assert plan is not None and sorted(plan.members[0]) == [1, 2, 4, 5]
     grouped = plan(queries, keys, values, 0.25, mask)
     whole = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask=mask)
     assert grouped.shape == whole.shape
     assert mx.allclose(grouped, whole, atol=1e-5).item()
+    masked = plan
+    # short rows of one length: no mask, exactly their window (one column more would be
+    # padding: not the same attention)
+    aligned = [1300, 40, 40, 40, 40, 40]
+    padding = mx.array([width - n for n in aligned])
+    mask = (mx.arange(width)[None, :] >= padding[:, None])[:, None, None, :]
+    whole = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask=mask)
+    plan = plan_for(aligned)
+    assert plan is not None and not any(g.masked for g in plan.groups)
+    assert mx.allclose(plan(queries, keys, values, 0.25, mask), whole, atol=1e-5).item()
+    off = plan_for([1300, 41, 41, 41, 41, 41])
+    assert off is not None
+    assert not mx.allclose(off(queries, keys, values, 0.25, mask), whole, atol=1e-5).item()
     # what it declines: a multi-token pass, no array mask, another row count
-    assert plan(mx.concatenate([queries, queries], axis=2), keys, values, 0.25, mask) is None
-    assert plan(queries, keys, values, 0.25, None) is None
-    assert plan(queries[:5], keys[:5], values[:5], 0.25, mask[:5]) is None
+    assert masked(mx.concatenate([queries, queries], axis=2), keys, values, 0.25, mask) is None
+    assert masked(queries, keys, values, 0.25, None) is None
+    assert masked(queries[:5], keys[:5], values[:5], 0.25, mask[:5]) is None
 
 
 def test_the_warm_up_runs_a_grouped_attention_in_the_models_shape(tiny_model_dir: Path) -> None:
@@ -69,13 +92,13 @@ async def alone(model_dir: Path, prompts: list[Any], **sampling: Any) -> list[li
 
 
 @pytest.mark.usefixtures("batch_pipeline")
+@pytest.mark.parametrize("short_prompts", [SHORT, [SHORT[1]] * 3], ids=["unlike", "alike"])
 async def test_a_long_row_among_short_ones_gives_each_its_tokens_alone_and_aborts_cleanly(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, short_prompts: list[str]
 ) -> None:
-    # Narrow enough for the tiny model's prompts, and windows of exactly what the rows hold
-    # (plus the slack), so that a window one position short would change a token.
+    # Narrow enough for the tiny model's prompts. The windows are exactly what the rows hold:
+    # one position short, or one of padding in a group without a mask, changes a token.
     monkeypatch.setattr(ragged_attention, "MIN_WIDTH", 256)
-    monkeypatch.setattr(ragged_attention, "WINDOW_BLOCK", 1)
     grouped_steps = 0
     original = RaggedPlan.__call__
 
@@ -88,12 +111,12 @@ async def test_a_long_row_among_short_ones_gives_each_its_tokens_alone_and_abort
     monkeypatch.setattr(RaggedPlan, "__call__", counted)
     rng = random.Random(7)
     long_prompt = [rng.randrange(100, 40_000) for _ in range(600)]
-    expected = await alone(tiny_model_dir, [*SHORT, long_prompt], **GREEDY)
+    expected = await alone(tiny_model_dir, [*short_prompts, long_prompt], **GREEDY)
     async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
         results: dict[int, list[int]] = {}
 
         async def short(i: int) -> None:
-            results[i] = (await engine.generate(SHORT[i], **GREEDY)).tokens
+            results[i] = (await engine.generate(short_prompts[i], **GREEDY)).tokens
 
         async def long(abort_after: int | None) -> None:
             got: list[int] = []
@@ -109,9 +132,9 @@ async def test_a_long_row_among_short_ones_gives_each_its_tokens_alone_and_abort
             results.clear()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(long, abort_after)
-                for i in range(len(SHORT)):
+                for i in range(len(short_prompts)):
                     nursery.start_soon(short, i)
-            for i in range(len(SHORT)):
+            for i in range(len(short_prompts)):
                 assert results[i] == expected[i]
             assert results[3] == expected[3][: len(results[3])]
             assert len(results[3]) == (len(expected[3]) if abort_after is None else 3)

@@ -280,7 +280,10 @@ class BatchDecoder:
         spent = spent_rows(rows, self._queued)
         feed(rows)
         if self.ragged_attention and not self.solo:
-            lengths = [seq.cached_length for seq in rows]
+            # the positions each row holds once this step has written: a row whose previous
+            # step is in flight (not yet read) has that step's token still to count
+            in_flight = {id(seq) for seq in self._queued.rows} if self._queued else set()
+            lengths = [seq.cached_length + (id(seq) in in_flight) for seq in rows]
             self._ragged = ragged_attention.prepare(self._cache, lengths, self._ragged)
         own = lone_step_model(rows, solo=self.solo) if self.lone_media else None
         logits = forward(
