@@ -237,3 +237,18 @@ def test_the_padded_chunk_is_checked_against_the_plain_one(tiny_model_dir: Path)
     model = load_model(tiny_model_dir).model
     assert padded_prefill_agrees(model, BLOCK)
     assert not padded_prefill_agrees(IgnoresCacheMasks(model), BLOCK)
+
+
+def test_the_warm_up_runs_every_rung_on_a_fresh_cache_and_over_every_width(
+    tiny_model_dir: Path,
+) -> None:
+    from trio_mlx.engine.loading import load_model
+    from trio_mlx.engine.prefill_shapes import PADDED_UP_TO, warm_graphs
+
+    loaded = load_model(tiny_model_dir)
+    widths = [1024, 2048, 4096, 8192, 16384, 24576, 32768]
+    assert widths[-1] == PADDED_UP_TO and [key_width(w) for w in widths] == widths
+    # rungs 16, 32, 64: each causal on its own keys, then over each of the 7 widths
+    assert warm_graphs(loaded.model, BLOCK, 64) == 3 * (1 + len(widths))
+    assert warm_graphs(loaded.model, BLOCK, 64, seconds=0.0) == 0  # out of time at once
+    assert warm_graphs(object(), BLOCK, 64) == 0  # a model whose shape it cannot read

@@ -60,7 +60,11 @@ from trio_mlx.engine.batch import BatchDecoder
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.fast_decode import compiled_batch_enabled
 from trio_mlx.engine.loading import LoadedModel
-from trio_mlx.engine.prefill_shapes import padded_prefill_agrees, padded_prefill_default
+from trio_mlx.engine.prefill_shapes import (
+    padded_prefill_agrees,
+    padded_prefill_default,
+    warm_graphs,
+)
 from trio_mlx.multimodal.job import MultimodalJob
 from trio_mlx.types import FinishReason
 
@@ -101,7 +105,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         max_kv_size=runner._max_kv_size,
         split_at_store_points=not (support is not None and support.trimmable),
         compiled=runner.compiled if compiled_batch_enabled() else None,
-        padded_prefill=_padded_prefill(loaded.model, plan.block),
+        padded_prefill=_padded_prefill(loaded.model, plan.block, plan.step),
     )
     lane = MediaLane(runner, loaded, batch)
     counters = runner.counters
@@ -244,9 +248,10 @@ def _wait_for_arrivals(runner: Runner, until: float) -> None:
     runner.counters.burst_hold_seconds += time.perf_counter() - began
 
 
-def _padded_prefill(model: Any, block: int) -> bool:
+def _padded_prefill(model: Any, block: int, step: int) -> bool:
     """Prefill chunks of recurring shapes (`prefill_shapes`): where it pays (CUDA), with blocks,
-    and where this model's padded chunk gives the plain chunk's logits (checked here, once)."""
+    and where this model's padded chunk gives the plain chunk's logits (checked here, once);
+    their attention shapes are then warmed (`prefill_shapes.warm_graphs`)."""
     if not padded_prefill_default() or block <= 1:
         return False
     try:
@@ -256,7 +261,11 @@ def _padded_prefill(model: Any, block: int) -> bool:
         return False
     if not agrees:
         log.warning("prefill chunks stay plain: this model's padded chunk differs from the plain")
-    return agrees
+        return False
+    began = time.perf_counter()
+    shapes = warm_graphs(model, block, step)
+    log.info("prefill attention shapes warmed: %d in %.1f s", shapes, time.perf_counter() - began)
+    return True
 
 
 def _apply(runner: Runner, batch: BatchDecoder, lane: MediaLane) -> list[SequenceEvent]:

@@ -63,3 +63,21 @@ def probe_cache(model: Any, max_kv_size: int | None, pacer: PrefillPacer) -> tup
     except Exception:
         log.exception("probing the KV cache failed")
         return 0, False
+
+
+def attention_shape(model: Any) -> tuple[int, int, int, Any] | None:
+    """Query heads, key/value heads, head size and activation dtype of an mlx-lm model of the
+    modules the attention dispatcher reaches (`compiled_step.COMPILABLE_MODULES`: their `args`
+    and `model.embed_tokens`), or None for any other model: what a warm-up at load needs to run
+    an attention of the model's own shape."""
+    from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
+
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if type(model).__module__ not in COMPILABLE_MODULES or not heads:
+        return None
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    dims = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
+    embed = model.model.embed_tokens
+    dtype = getattr(embed, "scales", embed.weight).dtype  # a quantized one: its scales'
+    return int(heads), int(kv_heads), int(dims), dtype

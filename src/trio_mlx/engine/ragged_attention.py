@@ -162,16 +162,12 @@ def warm_up(model: Any) -> bool:
     arrays: MLX's CUDA backend compiles the gathers' kernels on first use, and on an H100 the
     first grouped step of a fresh process (8B bf16) took 4.2 s. Returns whether it ran (a model
     whose attention the dispatcher does not reach, or whose shape it cannot read: it did not)."""
-    from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
+    from trio_mlx.engine.model_probe import attention_shape
 
-    args = getattr(model, "args", None)
-    heads = getattr(args, "num_attention_heads", None)
-    if type(model).__module__ not in COMPILABLE_MODULES or not heads:
+    shape = attention_shape(model)
+    if shape is None:
         return False
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    dims = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
-    embed = model.model.embed_tokens  # these modules' models all have it
-    dtype = getattr(embed, "scales", embed.weight).dtype  # a quantized one: its scales'
+    heads, kv_heads, dims, dtype = shape
     # one long row; three short ones out of order and of two lengths: index arrays, a mask
     lengths = [MIN_WIDTH, 1, 2, 1]
     plan = plan_for(lengths)
