@@ -3,6 +3,9 @@ phase by phase, in one process (a profiling instrument, not a benchmark of recor
 
     python -m bench.hot_path --model synthetic:llama-1b-bf16 --json /tmp/hot.json
 
+The engine runs the serialized route (`max_num_seqs=1`: the `ActiveSequence` this instrument
+stamps; the batched route's lone row takes the same forward pass, `BatchDecoder.solo`).
+
 Time to first token, for each prompt length, warm, alternately `--repeats` times:
 - `raw`: `mlx_lm.generate_step` from a fresh prompt cache until its first token;
 - `engine`: `Engine.stream_generate` (token ids, prefix cache off) until its first token, with the
@@ -98,10 +101,10 @@ def instrument() -> None:
     Seq.__init__ = init  # type: ignore[method-assign]
     original_step = Seq.step
 
-    def step(self: Any) -> Any:
+    def step(self: Any, *args: Any) -> Any:
         in_prefill = self.in_prefill
         began = time.perf_counter()
-        result = original_step(self)
+        result = original_step(self, *args)
         ended = time.perf_counter()
         # A prefill chunk yields no token; the step that yields the first one is "first" (it
         # may carry a short prompt tail with it).
@@ -281,7 +284,7 @@ async def novel_lengths(
         loader=no_eos_loader,
         cache_memory_bytes=0,
         prefill_block=1,
-        **SERVER_PROCESS_SETTINGS,
+        **{**SERVER_PROCESS_SETTINGS, "max_num_seqs": 1},
     ) as unblocked:
         await engine.clear_runtime_caches()
         for i in range(count):
@@ -329,7 +332,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         subject.path,
         loader=no_eos_loader,
         cache_memory_bytes=args.cache_mb * 2**20,
-        **SERVER_PROCESS_SETTINGS,
+        **{**SERVER_PROCESS_SETTINGS, "max_num_seqs": 1},
     ) as engine:
         for n in lengths:
             for seed in (1, 2):

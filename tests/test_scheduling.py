@@ -68,6 +68,11 @@ def test_while_rows_decode_a_chunk_grows_one_doubling_past_what_was_seen_to_fit(
     assert pacer.chunk_tokens(decoding=16, waiting=1) == 512
     pacer.observe_chunk(512, 0.021)
     assert pacer.chunk_tokens(decoding=16, waiting=1) > 512
+    # The prompt's keys grow and the same chunks no longer fit: only the last few count, so
+    # what fitted at a narrower width stops vouching for large chunks.
+    for _ in range(4):
+        pacer.observe_chunk(256, 0.030)
+    assert pacer.chunk_tokens(decoding=16, waiting=1) == 256
 
 
 def test_a_crowd_waiting_beside_a_small_batch_gets_a_longer_chunk() -> None:

@@ -40,6 +40,10 @@ DEFAULT_CHUNK_SECONDS = 0.25
 FIT_WINDOW = 16
 FIT_MIN = 2
 
+#: While sequences decode, a chunk grows at most to twice the largest of this many last chunks
+#: that kept within the budget (`PrefillPacer._proven`).
+PROVEN_WINDOW = 4
+
 #: A chunk may take this much more than a pass's fixed cost even when the budget is smaller.
 OVERHEAD_SLACK = 0.25
 
@@ -115,12 +119,14 @@ class PrefillPacer:
 
     def _proven(self, allowed: float) -> int:
         """The most tokens a chunk may take while sequences decode: twice the largest of the
-        last chunks that took at most `allowed` seconds (the smallest of them if none did). The
+        last `PROVEN_WINDOW` chunks that took at most `allowed` seconds (the smallest of them if
+        none did): the last few, since a chunk costs more as its prompt's keys grow. The
         line is fitted over chunks of different key lengths and can promise far more than a
         chunk gives: on an H100's 8B with 16 rows decoding it let a 1,472-token chunk go in a
         24 ms budget, and that step took 134 ms."""
-        kept = [t for t, s in self._chunks if s <= allowed]
-        return 2 * max(kept) if kept else min(t for t, _ in self._chunks)
+        recent = list(self._chunks)[-PROVEN_WINDOW:]
+        kept = [t for t, s in recent if s <= allowed]
+        return 2 * max(kept) if kept else min(t for t, _ in recent)
 
     def observe_chunk(self, tokens: int, seconds: float) -> None:
         """A prefill chunk of `tokens` took `seconds`."""
