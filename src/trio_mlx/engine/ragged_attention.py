@@ -8,7 +8,8 @@ long prompt joins a batch of short rows, every step of every row then costs what
 costs. Measured on an H100 (8B bf16, `python -m bench.long_arrival --long-max-tokens 32`): 16
 rows of ~300 positions stepped in 11-13 ms, and 50-59 ms for every step once an 8,000-token row
 had joined them; the attention alone, 17 rows over 9,000 positions with the mask, 1.8 ms a layer
-(0.9 without the mask), 57 ms a step of 32 layers.
+(0.9 without the mask), 57 ms a step of 32 layers. With the groups (same host and bench,
+`--long-max-tokens 64`): 17-21 ms a step against 52-53 ms (docs/benchmarks/README.md).
 
 What: before each decode step `prepare` takes the positions each row holds once the step has
 written its token (exact, from the host: `BatchSequence.cached_length`, and one more for a row
@@ -44,7 +45,7 @@ MIN_WIDTH = 1024
 #: Split only where the step would read at most this share of what it reads unsplit.
 MAX_SHARE = 0.5
 #: `warm_up`'s buffer is this much wider than its keys (a view, as a batch cache's are).
-MIN_STEP_SLICE = 16
+WARM_UP_SPARE_COLUMNS = 16
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def warm_up(model: Any) -> bool:
     plan = plan_for(lengths)
     assert plan is not None
     width = MIN_WIDTH
-    buffer = mx.zeros((len(lengths), kv_heads, width + MIN_STEP_SLICE, dims), dtype=dtype)
+    buffer = mx.zeros((len(lengths), kv_heads, width + WARM_UP_SPARE_COLUMNS, dims), dtype=dtype)
     keys = buffer[..., :width, :]  # a view of a wider buffer, as `update_and_fetch` gives
     queries = mx.zeros((len(lengths), heads, 1, dims), dtype=dtype)
     padding = mx.array([width - n for n in lengths])
