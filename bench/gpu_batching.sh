@@ -34,12 +34,14 @@ mkdir -p /tmp/trio-mlx-tokenizer && cp -n .whl/2/tokenizer/* /tmp/trio-mlx-token
 [[ -f /tmp/trio-mlx-tokenizer/tokenizer.json ]] && export TRIO_MLX_BENCH_TOKENIZER=/tmp/trio-mlx-tokenizer
 WORK=/tmp/trio-mlx-compare
 stamp=$(date +%Y-%m-%d)
+# the card in the results' names (the device lends an H100 or an H200)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H100 && echo h100 || echo h200)
 vllm=(--vllm-python none)
 [[ -x /tmp/vllm-python ]] && vllm=(--vllm-python /tmp/vllm-python)
 cd "$CODE"
 for ceiling in ${CEILING_MODELS:-$model}; do
   timeout 150 python3 -m bench.batch_ceiling --model "$ceiling" --batch 1,4,16,64 --workdir "$WORK" \
-    --out "$OUT/$stamp-h200-batch-ceiling-${ceiling#synthetic:}.json" || true
+    --out "$OUT/$stamp-$card-batch-ceiling-${ceiling#synthetic:}.json" || true
 done
 if [[ -z "${NO_COMPARE:-}" ]]; then
   timeout -s INT $((deadline + 60)) python3 -m bench.compare --model "$model" \
@@ -47,13 +49,13 @@ if [[ -z "${NO_COMPARE:-}" ]]; then
     --concurrency "${CONCURRENCY:-1,4,16,64}" --repeats "${REPEATS:-2}" --workdir "$WORK" \
     --cell-timeout-s 120 --server-start-timeout-s 180 "${vllm[@]}" \
     --vllm-mlx-args=--continuous-batching --deadline-s "$deadline" \
-    --out "$OUT/$stamp-h200-batching-$name${SUFFIX:-}" || true
+    --out "$OUT/$stamp-$card-batching-$name${SUFFIX:-}" || true
 fi
 if [[ "${SERIAL:-1}" == 1 && "$1" == "run-1b" ]]; then
   timeout -s INT 120 python3 -m bench.compare --model "$model" --systems http \
     --prompt-tokens 128 --max-tokens 256 --concurrency 1 --repeats 3 --workdir "$WORK" \
     --vllm-python none --http-args="--max-num-seqs 1" --deadline-s 60 \
-    --out "$OUT/$stamp-h200-serialized-$name" || true
+    --out "$OUT/$stamp-$card-serialized-$name" || true
 fi
 tar -czf "$OUT/logs-$name.tar.gz" -C "$WORK" logs 2>/dev/null || true
 ls -la "$OUT"

@@ -105,6 +105,8 @@ common=(--systems raw,engine,http,mlx_lm_server,vllm_mlx --prompt-tokens 128,204
         --server-start-timeout-s 180 --engine-own-weights --decode-pairs "${DECODE_PAIRS:-0}")
 if [[ -x /tmp/vllm-python ]]; then common+=(--vllm-python /tmp/vllm-python); else common+=(--vllm-python none); fi
 stamp=$(date +%Y-%m-%d)
+# the card in the results' names (the device lends an H100 or an H200)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H100 && echo h100 || echo h200)
 status=0
 for model in $MODELS; do
   case "$model" in
@@ -114,7 +116,7 @@ for model in $MODELS; do
   esac
   name=${model#synthetic:}
   timeout -s INT $((deadline + TIMEOUT_PAD)) python3 -m bench.compare --model "$model" \
-    "${common[@]}" --deadline-s "$deadline" --out "$OUT/$stamp-h200-$name" || status=$?
+    "${common[@]}" --deadline-s "$deadline" --out "$OUT/$stamp-$card-$name" || status=$?
 done
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs 2>/dev/null || true
 ls -la "$OUT"
