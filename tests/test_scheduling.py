@@ -110,3 +110,19 @@ def test_a_request_larger_than_the_budget_runs_alone() -> None:
     assert not book.try_admit(2, 10)
     with pytest.raises(EngineBusy):
         book.enqueue(2, 10)  # fail-fast: 429 at once
+
+
+def test_while_rows_decode_a_chunk_grows_along_the_line_of_the_last_one_that_fitted() -> None:
+    """Two small chunks, then a chunk as large that took twice as long (its prompt's keys grew):
+    the fitted line spans all three and allows more in a 24 ms budget than the last chunk that
+    fitted does, scaled along its own line from the fixed cost; the smaller figure wins."""
+    pacer = PrefillPacer(max_tokens=4096, target_seconds=0.25)
+    for tokens, seconds in ((64, 0.010), (128, 0.011), (128, 0.020)):
+        pacer.observe_chunk(tokens, seconds)
+    pacer.observe_decode(0.012)
+    assert pacer.per_token is not None
+    budget, fixed = 0.024, pacer.overhead
+    by_line = int((budget - fixed) / pacer.per_token)
+    by_last = int(128 * (budget - fixed) / (0.020 - fixed))
+    assert 128 < by_last < by_line <= 2 * 128
+    assert pacer.chunk_tokens(decoding=16, waiting=1) == by_last

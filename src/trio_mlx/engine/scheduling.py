@@ -18,8 +18,8 @@ chunks stay small: so once its chunks have been of different sizes, the pacer fi
 time as `overhead + tokens * per_token` over its last `FIT_WINDOW` chunks and sizes chunks by
 that line (at least `OVERHEAD_SLACK` of the fixed cost's worth of tokens: below that, a chunk
 costs its fixed cost all the same and only takes longer to finish the prompt). While sequences
-decode, the line is not trusted past twice the largest recent chunk that kept within the budget
-(`_proven`): chunks grow one doubling at a time from what was seen to fit.
+decode, the line is not trusted: a chunk grows from the largest recent one that kept within the
+budget, scaled along its own line to the budget and at most doubled (`_proven`).
 
 The runner gives it a first rate at load, from one short timed pass
 (`model_probe.CALIBRATION_TOKENS`; on a GPU two, of two sizes, for the line); without one it
@@ -118,15 +118,23 @@ class PrefillPacer:
         return tokens
 
     def _proven(self, allowed: float) -> int:
-        """The most tokens a chunk may take while sequences decode: twice the largest of the
-        last `PROVEN_WINDOW` chunks that took at most `allowed` seconds (the smallest of them if
-        none did): the last few, since a chunk costs more as its prompt's keys grow. The
-        line is fitted over chunks of different key lengths and can promise far more than a
-        chunk gives: on an H100's 8B with 16 rows decoding it let a 1,472-token chunk go in a
-        24 ms budget, and that step took 134 ms."""
+        """The most tokens a chunk may take while sequences decode, from the largest of the last
+        `PROVEN_WINDOW` chunks that took at most `allowed` seconds (the smallest of them if none
+        did): that chunk's tokens scaled to `allowed` along its own line from the fixed cost
+        (the time past `overhead` grows with the tokens), at most twice them. The last few,
+        since a chunk costs more as its prompt's keys grow; not the fitted line, which spans
+        chunks of different key lengths and can promise far more than a chunk gives: on an
+        H100's 8B with 16 rows decoding it let a 1,472-token chunk go in a 24 ms budget, and
+        that step took 134 ms."""
         recent = list(self._chunks)[-PROVEN_WINDOW:]
-        kept = [t for t, s in recent if s <= allowed]
-        return 2 * max(kept) if kept else min(t for t, _ in recent)
+        kept = [(t, s) for t, s in recent if s <= allowed]
+        if not kept:
+            return min(t for t, _ in recent)
+        tokens, seconds = max(kept)
+        variable = seconds - self.overhead
+        if variable <= 0:
+            return 2 * tokens
+        return max(tokens, min(2 * tokens, int(tokens * (allowed - self.overhead) / variable)))
 
     def observe_chunk(self, tokens: int, seconds: float) -> None:
         """A prefill chunk of `tokens` took `seconds`."""
