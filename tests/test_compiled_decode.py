@@ -115,7 +115,12 @@ def test_fused_projections_keep_the_tokens_and_the_weights(tiny_model_dir: Path)
     model = load_model(tiny_model_dir).model
     plain, _, _ = generate(model, params, None, PROMPT)
     size = sum(v.nbytes for _, v in _leaves(model))
+    mx.eval(model.parameters())
+    mx.clear_cache()
+    active = mx.get_active_memory()
     assert fuse_projections(model) == 4  # 2 layers x (q/k/v, gate/up)
+    # the replaced weights are not kept in MLX's buffer cache (~9 GB on an 8B bf16 model)
+    assert mx.get_cache_memory() == 0 and mx.get_active_memory() <= active
     assert "qkv_proj" in model.layers[0].self_attn and "q_proj" not in model.layers[0].self_attn
     assert sum(v.nbytes for _, v in _leaves(model)) == size  # each weight counted once
     assert generate(model, params, None, PROMPT)[0] == plain
