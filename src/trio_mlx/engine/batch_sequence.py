@@ -179,7 +179,7 @@ class BatchSequence:
         if self._split and self._store_points:
             n = min(n, self._store_points[0] - self.prompt_done)
         padded = self._padded and block > 1
-        if padded and (n < remaining or rungs):  # the budget cuts the prompt: a rung
+        if padded and (n < remaining or rungs):  # cut by the budget, or rows decode: a rung
             n = pass_size(n, block, self._plan.step)
         elif block > 1 and n >= block:
             n -= n % block
