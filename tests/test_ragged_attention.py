@@ -139,4 +139,5 @@ async def test_a_long_row_among_short_ones_gives_each_its_tokens_alone_and_abort
             assert results[3] == expected[3][: len(results[3])]
             assert len(results[3]) == (len(expected[3]) if abort_after is None else 3)
         await assert_idle(engine)  # the aborted row left, nothing held
+        assert engine.get_stats()["runner"]["grouped_attention_steps"] > 0
     assert grouped_steps > 0  # the long row and the short ones did decode together

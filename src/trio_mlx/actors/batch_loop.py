@@ -145,6 +145,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                     log.error("request %d failed: %s", result.seq.request_id, result.error)
                 elif result.finish is not None:
                     stores.append((result.seq, "conversation", None))
+            counters.grouped_attention_steps = batch.grouped_attention_steps
             if rows and not solo:
                 pacer.observe_decode(time.perf_counter() - began)
                 counters.decode_steps += 1

@@ -112,6 +112,7 @@ def engine_stats(
             "prefill_groups": counters.prefill_groups,
             "grouped_prefills": counters.grouped_prefills,
             "prefill_group_failures": counters.prefill_group_failures,
+            "grouped_attention_steps": counters.grouped_attention_steps,
             "arriving": runner.arriving,
             "burst_holds": counters.burst_holds,
             "burst_hold_s": counters.burst_hold_seconds,

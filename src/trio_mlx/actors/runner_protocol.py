@@ -91,6 +91,8 @@ class RunnerCounters:
     prefill_groups: int = 0
     grouped_prefills: int = 0
     prefill_group_failures: int = 0
+    #: decode steps whose rows attended in two groups (batched route: `ragged_attention`)
+    grouped_attention_steps: int = 0
     #: bursts whose first arrivals waited (prefilled) for the requests on their way before
     #: decoding, and the seconds the runner slept meanwhile (batched route: `batch_loop`)
     burst_holds: int = 0

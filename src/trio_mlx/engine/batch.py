@@ -165,6 +165,8 @@ class BatchDecoder:
             padded_prefill_default() if padded_prefill is None else padded_prefill
         )
         self._ragged: RaggedPlan | None = None  # the last step's (`ragged_attention`)
+        #: decode steps whose rows attended in two groups
+        self.grouped_attention_steps = 0
         if self.ragged_attention:
             install_dispatcher(COMPILABLE_MODULES)
 
@@ -285,6 +287,7 @@ class BatchDecoder:
             in_flight = {id(seq) for seq in self._queued.rows} if self._queued else set()
             lengths = [seq.cached_length + (id(seq) in in_flight) for seq in rows]
             self._ragged = ragged_attention.prepare(self._cache, lengths, self._ragged)
+            self.grouped_attention_steps += self._ragged is not None
         own = lone_step_model(rows, solo=self.solo) if self.lone_media else None
         logits = forward(
             self._model, rows, self._inputs, self._cache, own=own, compiled=self._compiled
