@@ -28,11 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from trio_mlx.actors.model_info import ModelInfo, describe
-from trio_mlx.engine import ragged_attention
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import PrefillPlan
 from trio_mlx.engine.fast_decode import prepare_fast_decode
-from trio_mlx.engine.kernel_warmup import needed as kernel_warmup_needed
 from trio_mlx.engine.kernel_warmup import warm_quantized_kernels
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.engine.model_probe import probe_cache
@@ -169,8 +167,6 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
     for model in (loaded.model, getattr(draft, "model", None), models.scorer):
         if model is not None:  # CUDA compiles quantized products on first use: not in a request
             warm_quantized_kernels(model)
-    if kernel_warmup_needed():  # ... and the batch's grouped attention's gathers
-        ragged_attention.warm_up(loaded.model)
     info = describe(loaded, options.max_kv_size)
     plan = PrefillPlan.choose(
         options.prefill_step_size,

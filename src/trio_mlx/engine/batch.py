@@ -169,6 +169,8 @@ class BatchDecoder:
         self.grouped_attention_steps = 0
         if self.ragged_attention:
             install_dispatcher(COMPILABLE_MODULES)
+            if padded_attention_default():  # CUDA compiles the groups' gathers on first use
+                ragged_attention.warm_up(model)
 
     # ---- membership ---------------------------------------------------------------------------
 

@@ -159,7 +159,8 @@ def prepare(
 
 
 def warm_up(model: Any) -> bool:
-    """Run a grouped attention once at load, in the model's head shape and dtype, on small
+    """Run a grouped attention once, when a batch starts on CUDA (`BatchDecoder`: not on the
+    serialized route, nor with the groups off), in the model's head shape and dtype, on small
     arrays: MLX's CUDA backend compiles the gathers' kernels on first use, and on an H100 the
     first grouped step of a fresh process (8B bf16) took 4.2 s. Returns whether it ran (a model
     whose attention the dispatcher does not reach, or whose shape it cannot read: it did not)."""
