@@ -155,14 +155,19 @@ def warm_graphs(model: Any, block: int, step: int, seconds: float = WARM_SECONDS
     heads, kv_heads, dims, dtype = shape
     began = time.perf_counter()
     ran = 0
-    widths = [w for w in _bucket_widths() if w <= PADDED_UP_TO]
+    # every width's keys made once, for all the rungs
+    buckets = {
+        w: mx.zeros((1, kv_heads, w, dims), dtype=dtype)
+        for w in _bucket_widths()
+        if w <= PADDED_UP_TO
+    }
+    mx.eval(list(buckets.values()))
     for rung in chunk_ladder(block, step):
         queries = mx.zeros((1, heads, rung, dims), dtype=dtype)
         fresh = mx.zeros((1, kv_heads, rung, dims), dtype=dtype)
         passes: list[tuple[Any, Any]] = [(fresh, "causal")]
-        for width in widths:
+        for width, keys in buckets.items():
             if width > rung:
-                keys = mx.zeros((1, kv_heads, width, dims), dtype=dtype)
                 passes.append((keys, mx.zeros((rung, width), dtype=dtype)))
         for keys, mask in passes:
             if time.perf_counter() - began >= seconds:
