@@ -119,22 +119,34 @@ class PrefillPacer:
 
     def _proven(self, allowed: float) -> int:
         """The most tokens a chunk may take while sequences decode, from the largest of the last
-        `PROVEN_WINDOW` chunks that took at most `allowed` seconds (the smallest of them if none
-        did): that chunk's tokens scaled to `allowed` along its own line from the fixed cost
-        (the time past `overhead` grows with the tokens), at most twice them. The last few,
+        `PROVEN_WINDOW` chunks that took at most `allowed` seconds, and came after every one
+        that took longer: that chunk's tokens scaled to `allowed` along its own line from the
+        fixed cost (`_along`), at most twice them. If the last chunk took longer than `allowed`,
+        from that one instead, cut along its line: a prompt's chunks cost more as its keys
+        grow, so what fitted before a chunk that did not no longer vouches. The last few,
         since a chunk costs more as its prompt's keys grow; not the fitted line, which spans
         chunks of different key lengths and can promise far more than a chunk gives: on an
         H100's 8B with 16 rows decoding it let a 1,472-token chunk go in a 24 ms budget, and
         that step took 134 ms."""
         recent = list(self._chunks)[-PROVEN_WINDOW:]
-        kept = [(t, s) for t, s in recent if s <= allowed]
-        if not kept:
-            return min(t for t, _ in recent)
-        tokens, seconds = max(kept)
+        last_tokens, last_seconds = recent[-1]
+        if last_seconds > allowed:
+            # The last chunk took too long (its keys grew, or the budget shrank): the next one
+            # is cut along that chunk's own line, whatever fitted before it.
+            return self._along(last_tokens, last_seconds, allowed)
+        # the chunks since the last one that took too long
+        over = [i for i, (_, s) in enumerate(recent) if s > allowed]
+        tokens, seconds = max(recent[over[-1] + 1 :] if over else recent)
+        return max(tokens, self._along(tokens, seconds, allowed))
+
+    def _along(self, tokens: int, seconds: float, allowed: float) -> int:
+        """A chunk of `tokens` took `seconds`: the tokens that take `allowed`, scaled along its
+        line from the fixed cost (the time past `overhead` grows with the tokens), at most
+        twice them."""
         variable = seconds - self.overhead
         if variable <= 0:
             return 2 * tokens
-        return max(tokens, min(2 * tokens, int(tokens * (allowed - self.overhead) / variable)))
+        return max(1, min(2 * tokens, int(tokens * (allowed - self.overhead) / variable)))
 
     def observe_chunk(self, tokens: int, seconds: float) -> None:
         """A prefill chunk of `tokens` took `seconds`."""
