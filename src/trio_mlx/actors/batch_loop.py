@@ -23,8 +23,11 @@ The loop, top to bottom, once per step while anything is live:
    does not stall the streams already decoding, more when many wait beside a small batch; with
    `BatchDecoder.group_prefill`, the short prompts of several arrivals in one pass), its
    store-point snapshots, and the sequences whose prefill is complete join the batch — unless a
-   burst is arriving at an idle batch (below). A request with media alone in the batch takes its
-   first token from its prompt's last pass here (`engine.batch_lone_media`), sent at once.
+   burst is arriving at an idle batch (below), or, while rows decode, a prompt of several chunks
+   has just run its last one: it joins at the next step (`BatchDecoder.join`'s `defer_long`: its
+   last chunk and its wide join would both lengthen the same gap). A request with media alone in
+   the batch takes its first token from its prompt's last pass here (`engine.batch_lone_media`),
+   sent at once.
 
 A burst on an idle batch: requests reach the runner one at a time (each read, validated and
 prepared in turn: over HTTP a 16-request burst took tens of ms to arrive), and an idle batch's
@@ -210,7 +213,9 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 counters.burst_holds += 1
             if held_since is not None:
                 holding = holding and time.perf_counter() - held_since < BURST_HOLD_SECONDS
-            joined = 0 if holding else batch.join()
+            # a long prompt's last chunk and its join (a wide re-layout) in separate steps
+            joined = 0 if holding else batch.join(defer_long=decoding > 0 and prefilled > 0)
+            counters.deferred_joins = batch.deferred_joins
             if joined:  # each joiner's last prompt token, fed by the next step
                 counters.prompt_tokens += batch.joined_prompt_tokens
         else:

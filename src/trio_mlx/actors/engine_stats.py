@@ -113,6 +113,7 @@ def engine_stats(
             "grouped_prefills": counters.grouped_prefills,
             "prefill_group_failures": counters.prefill_group_failures,
             "grouped_attention_steps": counters.grouped_attention_steps,
+            "deferred_joins": counters.deferred_joins,
             "arriving": runner.arriving,
             "burst_holds": counters.burst_holds,
             "burst_hold_s": counters.burst_hold_seconds,

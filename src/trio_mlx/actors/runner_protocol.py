@@ -93,6 +93,8 @@ class RunnerCounters:
     prefill_group_failures: int = 0
     #: decode steps whose rows attended in two groups (batched route: `ragged_attention`)
     grouped_attention_steps: int = 0
+    #: joins of prompts of several chunks put off by a step (batched route: `BatchDecoder.join`)
+    deferred_joins: int = 0
     #: bursts whose first arrivals waited (prefilled) for the requests on their way before
     #: decoding, and the seconds the runner slept meanwhile (batched route: `batch_loop`)
     burst_holds: int = 0

@@ -150,6 +150,7 @@ def _chunk(model: Any, seq: BatchSequence, tokens: int, rungs: bool) -> PrefillR
         n, points = seq.prefill_chunk(seq.prefill_model or model, tokens, rungs=rungs)
     except Exception as exc:
         return PrefillResult(seq, error=f"{type(exc).__name__}: {exc}")
+    seq.chunks_run += 1
     return PrefillResult(seq, scored=n) if scoring else PrefillResult(seq, n, points)
 
 

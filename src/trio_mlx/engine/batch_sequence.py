@@ -101,6 +101,10 @@ class BatchSequence:
         self.position_shift = 0
         #: leaves the batch at the next step (finished, aborted or failed)
         self.removed = False
+        #: prefill chunks of its own run so far (`batch_join._chunk`; not group passes)
+        self.chunks_run = 0
+        #: ready, it let a step go by before joining (`BatchDecoder.join`'s `defer_long`)
+        self.join_deferred = False
         #: a per-row failure (a processor or the sampler raised), reported at the next read
         self.failure: str | None = None
 
