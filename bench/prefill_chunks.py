@@ -20,13 +20,16 @@ evaluated and timed on its own:
   `--width-block` positions, and every chunk's attention over that whole buffer with a mask
   (`padded_attention.padded_forward`): one (query, key) pair per chunk size and width;
 - `bucketed`: as the engine's batched route on CUDA runs them (`engine/prefill_shapes.py`): the
-  first chunk plain, then each chunk over the cache grown to its width bucket (`key_width`).
+  first chunk plain, then each chunk over the cache grown to its width bucket (`key_width`);
+- `mixed`: each chunk (bucketed, as above) in the decode step's own forward pass
+  (`engine/mixed_step.py`, `TRIO_MLX_MIXED_STEP=on`): one pass a step, timed as the step.
 
 The first pass over the prompt is `cold` (shapes new to this process, for that variant and
 size), the second `warm` (every shape seen once). Reported per (variant, c, pass): the chunk's
-time p50 / p90 / max, its sum (the prompt's prefill time), and the decode step's p50 / max
-beside it; plus the decode step alone before any chunk, the reference for a gap. Random weights:
-speed only. The process's MLX cache limit is the batched route's (`BATCH_CACHE_LIMIT`).
+time p50 / p90 / max, its sum (the prompt's prefill time), the decode step's p50 / max beside
+it, and the gap the running rows see (chunk and step, or the mixed pass) p50 / max; plus the
+decode step alone before any chunk, the reference for a gap. Random weights: speed only.
+The process's MLX cache limit is the batched route's (`BATCH_CACHE_LIMIT`).
 """
 
 from __future__ import annotations
@@ -45,8 +48,12 @@ from bench.quantized_rows import activation_dtype, batch_cache
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from trio_mlx.actors.batch_loop import BATCH_CACHE_LIMIT
+from trio_mlx.engine import mixed_step
+from trio_mlx.engine.batch_sequence import BatchSequence
+from trio_mlx.engine.decode import GenerationJob, PrefillPlan
 from trio_mlx.engine.padded_attention import padded_forward
 from trio_mlx.engine.prefill_shapes import key_width, reserve
+from trio_mlx.types import SamplingParams
 
 
 def timed(fn: Any) -> float:
@@ -80,9 +87,44 @@ def reserved_cache(model: Any, width: int) -> list[Any]:
     return cache
 
 
+def mixed_pass(
+    model: Any, prompt: Any, size: int, batch: list[Any], step_tokens: Any
+) -> tuple[list[float], list[float]]:
+    """The prompt's chunks (bucketed, rungs of `size`) each in a decode step's pass: no chunk
+    time of its own, the pass's time as the step's."""
+    tokens = (*(int(t) for t in prompt.tolist()), 0)  # ready once all of it is in
+    job = GenerationJob(1, tokens, SamplingParams(max_tokens=1))
+    seq = BatchSequence(
+        job,
+        model,
+        vocab_size=int(model.args.vocab_size),
+        plan=PrefillPlan(size, min(64, size)),
+        max_kv_size=None,
+        cache=None,
+        cached_tokens=0,
+        split_at_store_points=False,
+        padded=True,
+    )
+    inputs = step_tokens[:, 0]
+    steps: list[float] = []
+    while not seq.ready:
+
+        def step() -> Any:
+            logits, _, _ = mixed_step.forward(model, inputs, batch, seq, size, rungs=True)
+            return [mx.argmax(logits, axis=-1), *(c.state for c in seq.cache)]
+
+        steps.append(timed(step))
+        for layer in batch:
+            layer.trim(1)
+    return [0.0] * len(steps), steps
+
+
 def one_pass(
     model: Any, variant: str, prompt: Any, size: int, width: int, batch: list[Any], step_tokens: Any
 ) -> dict[str, Any]:
+    if variant == "mixed":
+        chunks, steps = mixed_pass(model, prompt, size, batch, step_tokens)
+        return summary(chunks, steps)
     cache = reserved_cache(model, width) if variant == "padded" else make_prompt_cache(model)
     keys = 0
     chunks: list[float] = []
@@ -96,15 +138,22 @@ def one_pass(
         else:
             chunks.append(timed(lambda c=chunk: model(c, cache=cache)[:, -1, :]))
         steps.append(decode_step(model, batch, step_tokens))
+    return summary(chunks, steps)
+
+
+def summary(chunks: list[float], steps: list[float]) -> dict[str, Any]:
     ordered = sorted(chunks)
+    gaps = [c + s for c, s in zip(chunks, steps, strict=True)]
     return {
         "chunks": len(chunks),
         "chunk_p50_ms": 1e3 * statistics.median(chunks),
         "chunk_p90_ms": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
         "chunk_max_ms": 1e3 * max(chunks),
-        "prefill_s": sum(chunks),
+        "prefill_s": sum(gaps) - sum(steps) if any(chunks) else sum(steps),
         "step_p50_ms": 1e3 * statistics.median(steps),
         "step_max_ms": 1e3 * max(steps),
+        "gap_p50_ms": 1e3 * statistics.median(gaps),
+        "gap_max_ms": 1e3 * max(gaps),
     }
 
 
@@ -113,7 +162,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--model", default="synthetic:llama-1b-bf16")
     parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--chunks", default="128,256,512")
-    parser.add_argument("--variants", default="plain,padded,bucketed")
+    parser.add_argument("--variants", default="plain,padded,bucketed,mixed")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--width-block", type=int, default=1024)
@@ -124,6 +173,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     mx.set_cache_limit(BATCH_CACHE_LIMIT)
     name = args.model.removeprefix("synthetic:")
     model = build_synthetic(name)
+    if "mixed" in args.variants.split(",") and not mixed_step.prepare(model):
+        parser.error(f"{name} cannot take mixed passes (engine/mixed_step.py)")
     batch = batch_cache(model, args.batch, args.context)
     step_tokens = mx.zeros((args.batch, 1), dtype=mx.uint32)
     for _ in range(3):

@@ -101,9 +101,9 @@ class CacheLog:
         self.kinds: list[str] = []
         original = BatchDecoder._queue_step
 
-        def logged(decoder: BatchDecoder) -> Any:
+        def logged(decoder: BatchDecoder, *args: Any) -> Any:
             self.kinds.append(type(decoder._cache[0]).__name__)
-            return original(decoder)
+            return original(decoder, *args)
 
         monkeypatch.setattr(BatchDecoder, "_queue_step", logged)
 

@@ -129,3 +129,22 @@ def test_while_rows_decode_a_chunk_grows_along_the_line_of_the_last_one_that_fit
     by_last = int(128 * (budget - fixed) / (0.020 - fixed))
     assert 128 < by_last < by_line <= 2 * 128
     assert pacer.chunk_tokens(decoding=16, waiting=1) == by_last
+
+
+def test_a_chunk_in_the_decode_pass_is_sized_by_what_it_adds_to_the_step() -> None:
+    """The 8B-like device: a chunk of its own costs 18 ms of fixed cost; riding in a 12 ms decode
+    step's pass, 256 tokens added 6 ms. A 24 ms budget then takes twice them (the most it may
+    grow at once), where a chunk of its own would have been cut to fit its fixed cost."""
+    pacer = PrefillPacer(max_tokens=4096, block=64, target_seconds=0.25)
+    for tokens, seconds in ((64, 0.018), (256, 0.0195)):
+        pacer.observe_chunk(tokens, seconds)
+    pacer.observe_decode(0.012)
+    first = pacer.mixed_tokens(decoding=16)
+    assert first == pacer.chunk_tokens(decoding=16)  # nothing mixed yet: a chunk's own size
+    pacer.observe_mixed(256, 0.006)
+    assert pacer.mixed_tokens(decoding=16) == 512
+    pacer.observe_mixed(1024, 0.048)  # its keys grew: twice the budget
+    assert pacer.mixed_tokens(decoding=16) == 512
+    pacer.observe_mixed(512, -0.001)  # within the step's noise: grows
+    assert pacer.mixed_tokens(decoding=16) == 1024
+    assert pacer.decode_step == 0.012  # a mixed step's time is not a plain step's

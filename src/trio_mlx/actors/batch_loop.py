@@ -7,7 +7,10 @@ The loop, top to bottom, once per step while anything is live:
    sequence out (a waiting one at once, between two of its chunks; a row leaves the batch at the
    next step);
 2. one decode step over every row of the batch (`BatchDecoder.decode`): its tokens and finishes
-   go to Trio at once, then the finished sequences' snapshots are taken. With a draft model, a
+   go to Trio at once, then the finished sequences' snapshots are taken. With
+   `BatchDecoder.mixing`, a waiting prompt's next chunk rides in the step's forward pass
+   (`mixed_step`, sized by `PrefillPacer.mixed_tokens`), and step 4 takes that chunk's result
+   instead of running a chunk of its own. With a draft model, a
    batch of one row takes a speculative step instead (`BatchDecoder.speculate`: several tokens
    for that row); a lone greedy row under a grammar whose last token was forced, a jump-forward
    step (`BatchDecoder.jump`: the tokens its grammar forces next in one pass); as soon as a
@@ -60,6 +63,7 @@ from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.media_lane import MediaLane
 from trio_mlx.actors.runner_protocol import AbortJob, ClearSnapshots, SequenceEvent
 from trio_mlx.engine.batch import BatchDecoder
+from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.fast_decode import compiled_batch_enabled
 from trio_mlx.engine.loading import LoadedModel
@@ -73,6 +77,7 @@ from trio_mlx.types import FinishReason
 
 if TYPE_CHECKING:
     from trio_mlx.actors.runner import Runner
+    from trio_mlx.engine.scheduling import PrefillPacer
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
     counters = runner.counters
     pacer = runner.pacer
     since_join: int | None = None  # steps since the last join (None: none yet)
+    mixed_before = 0  # prompt tokens that rode in the pass queued at the last step
     held_since: float | None = None
     while True:
         busy = batch.busy or len(lane) > 0
@@ -127,6 +133,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         decode_seconds = prefill_seconds = 0.0
         stores: _Stores = []
         rows = batch.decoding
+        mixed: list[PrefillResult] = []  # a waiting prompt's chunk in the decode step's pass
         if rows or batch.rows:
             # A lone row speculates with the draft; several decode together without it.
             speculator = runner.speculator if batch.can_speculate() else None
@@ -134,8 +141,14 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             solo = speculator is not None or jumping
             if speculator is not None:
                 step = batch.speculate(speculator)
+            elif jumping:
+                step = batch.jump()
             else:
-                step = batch.jump() if jumping else batch.decode()
+                waiting = len(batch.waiting)
+                mix = pacer.mixed_tokens(rows, waiting) if batch.mixing and waiting else 0
+                step = batch.decode(mix)
+                mixed = batch.take_mixed()
+                counters.mixed_chunks = batch.mixed_chunks
             for result in step:
                 events.append(
                     _row_event(
@@ -150,7 +163,9 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                     stores.append((result.seq, "conversation", None))
             counters.grouped_attention_steps = batch.grouped_attention_steps
             if rows and not solo:
-                pacer.observe_decode(time.perf_counter() - began)
+                mixed_before = _observe_step(
+                    pacer, time.perf_counter() - began, mixed, mixed_before, batch.pipelined
+                )
                 counters.decode_steps += 1
                 counters.batch_sizes[rows] = counters.batch_sizes.get(rows, 0) + 1
             counters.live = batch.live + len(lane)  # before the finishes reach Trio
@@ -165,12 +180,15 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             counters.live = batch.live + len(lane)  # before the finishes reach Trio
             runner._emit(events, stores)
             events, stores = [], []
-        if batch.waiting:
+        if batch.waiting or mixed:
             decoding, waiting = batch.decoding, len(batch.waiting)
             chunk_began = time.perf_counter()
-            results = batch.prefill(
-                pacer.chunk_tokens(decoding, waiting), pacer.budget_seconds(decoding, waiting)
-            )
+            if mixed:  # (a media step may have aborted its sequence since: it is gone)
+                results = [r for r in mixed if r.error is not None or r.seq in batch.waiting]
+            else:
+                results = batch.prefill(
+                    pacer.chunk_tokens(decoding, waiting), pacer.budget_seconds(decoding, waiting)
+                )
             prefilled, grouped, scored, firsts = 0, 0, 0, 0
             for pre in results:
                 seq = pre.seq
@@ -195,7 +213,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 counters.prefill_groups += 1
                 counters.grouped_prefills += grouped
             counters.prefill_group_failures = batch.group_failures
-            if prefilled and not grouped and not scored and not firsts:
+            if prefilled and not grouped and not scored and not firsts and not mixed:
                 # (a pass of several prompts is faster per token than a chunk; a scoring chunk's
                 # time is the scoring model's, not the target's; a first token's pass waited
                 # for its token)
@@ -234,6 +252,26 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         elif holding and all(seq.ready for seq in batch.waiting):
             assert held_since is not None
             _wait_for_arrivals(runner, held_since + BURST_HOLD_SECONDS)
+
+
+def _observe_step(
+    pacer: PrefillPacer,
+    seconds: float,
+    mixed: list[PrefillResult],
+    mixed_before: int,
+    pipelined: bool,
+) -> int:
+    """Tell the pacer what a decode step took: a plain step's time, or with a chunk in its pass
+    (`mixed`), that chunk's cost, what the step took past a plain one. Pipelined, a step's time
+    is the pass queued a step before (read now), so it costs that pass's chunk (`mixed_before`,
+    returned for the next step)."""
+    tokens = sum(pre.prefilled for pre in mixed)
+    costed, later = (mixed_before, tokens) if pipelined else (tokens, 0)
+    if costed:
+        pacer.observe_mixed(costed, seconds - (pacer.decode_step or 0.0))
+    else:
+        pacer.observe_decode(seconds)
+    return later
 
 
 def _burst_arriving(runner: Runner, batch: BatchDecoder, lane: MediaLane) -> bool:

@@ -114,6 +114,7 @@ def engine_stats(
             "prefill_group_failures": counters.prefill_group_failures,
             "grouped_attention_steps": counters.grouped_attention_steps,
             "deferred_joins": counters.deferred_joins,
+            "mixed_chunks": counters.mixed_chunks,
             "arriving": runner.arriving,
             "burst_holds": counters.burst_holds,
             "burst_hold_s": counters.burst_hold_seconds,

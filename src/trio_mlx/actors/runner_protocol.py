@@ -95,6 +95,8 @@ class RunnerCounters:
     grouped_attention_steps: int = 0
     #: joins of prompts of several chunks put off by a step (batched route: `BatchDecoder.join`)
     deferred_joins: int = 0
+    #: prefill chunks that rode in a decode step's pass (batched route: `mixed_step`)
+    mixed_chunks: int = 0
     #: bursts whose first arrivals waited (prefilled) for the requests on their way before
     #: decoding, and the seconds the runner slept meanwhile (batched route: `batch_loop`)
     burst_holds: int = 0

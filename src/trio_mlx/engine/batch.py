@@ -56,11 +56,12 @@ the only requests it can be attributed to, and the batch starts again empty.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_join, ragged_attention
+from trio_mlx.engine import batch_join, mixed_step, ragged_attention
 from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
@@ -72,6 +73,7 @@ from trio_mlx.engine.batch_lone_media import (
     fits_first_pass,
     lone_step_model,
 )
+from trio_mlx.engine.batch_prefill import can_group
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
@@ -118,6 +120,10 @@ class BatchDecoder:
     #: a batch of rows of very different lengths attends in two groups, the short rows over
     #: only the columns they use (`ragged_attention`); False: every row over the whole width
     ragged_attention = True
+    #: a waiting prompt's next chunk rides in the decode step's forward pass (`mixed_step`,
+    #: `decode`'s `mix`). None: `TRIO_MLX_MIXED_STEP=on` (off by default: not yet measured on a
+    #: GPU, where it is meant to pay)
+    mixed_prefill: bool | None = None
 
     def __init__(
         self,
@@ -169,6 +175,15 @@ class BatchDecoder:
         self.grouped_attention_steps = 0
         #: joins put off by a step (`join`'s `defer_long`)
         self.deferred_joins = 0
+        mixing = self.mixed_prefill
+        if mixing is None:
+            mixing = os.environ.get("TRIO_MLX_MIXED_STEP", "off").lower() == "on"
+        #: decode steps can carry a prefill chunk (`mixed_step`: on and the model takes it)
+        self.mixing = bool(mixing) and compiled is None and mixed_step.prepare(model)
+        #: prefill chunks that rode in a decode step, and those of the last `decode` (taken by
+        #: `take_mixed`)
+        self.mixed_chunks = 0
+        self._mixed: list[PrefillResult] = []
         if self.ragged_attention:
             install_dispatcher(COMPILABLE_MODULES)
             if padded_attention_default():  # CUDA compiles the groups' gathers on first use
@@ -263,12 +278,14 @@ class BatchDecoder:
 
     # ---- decode -------------------------------------------------------------------------------
 
-    def decode(self) -> list[RowResult]:
+    def decode(self, mix: int = 0) -> list[RowResult]:
         """One step: drop removed rows, queue the next forward pass, read the previous one; not
-        `pipelined`, read the step just queued as well (module docstring)."""
+        `pipelined`, read the step just queued as well (module docstring). `mix`: where the
+        batch is `mixing`, the first waiting sequence's next chunk of at most `mix` tokens rides
+        in the pass (`mixed_step`); its result is then taken by `take_mixed`."""
         self._drop_removed()
         try:
-            queued = self._queue_step() if self.rows else None
+            queued = self._queue_step(mix) if self.rows else None
             results = self._read(self._queued) if self._queued is not None else []
             if queued is not None and queued.tokens is None:
                 self._inputs = choose_constrained(queued, self._choice.row)
@@ -280,8 +297,9 @@ class BatchDecoder:
             return self._fail_batch(exc)
         return results
 
-    def _queue_step(self) -> QueuedStep:
-        """Queue the next step's forward pass and its choice of tokens (`batch_step`)."""
+    def _queue_step(self, mix: int = 0) -> QueuedStep:
+        """Queue the next step's forward pass and its choice of tokens (`batch_step`), with a
+        waiting sequence's chunk of at most `mix` tokens in it where it can (`_mixed_pass`)."""
         rows = list(self.rows)
         spent = spent_rows(rows, self._queued)
         feed(rows)
@@ -293,9 +311,11 @@ class BatchDecoder:
             self._ragged = ragged_attention.prepare(self._cache, lengths, self._ragged)
             self.grouped_attention_steps += self._ragged is not None
         own = lone_step_model(rows, solo=self.solo) if self.lone_media else None
-        logits = forward(
-            self._model, rows, self._inputs, self._cache, own=own, compiled=self._compiled
-        )
+        logits = self._mixed_pass(rows, mix) if mix and own is None else None
+        if logits is None:
+            logits = forward(
+                self._model, rows, self._inputs, self._cache, own=own, compiled=self._compiled
+            )
         self.steps += 1
         if self.steps % 256 == 0:
             mx.clear_cache()
@@ -303,6 +323,35 @@ class BatchDecoder:
         if queued.tokens is not None:
             self._inputs = queued.tokens
         return queued
+
+    def _mixed_pass(self, rows: list[BatchSequence], limit: int) -> Any:
+        """The step's logits from one pass with the first waiting sequence's next chunk in it
+        (`mixed_step.forward`), or None where they cannot share it. A pass that raises fails that
+        sequence too (it leaves `waiting`; its result says why), and every row (`decode`)."""
+        if not self.mixing or any(seq.rope_delta for seq in rows):
+            return None
+        seq = next((s for s in self.waiting if not s.ready), None)
+        if seq is None or not mixed_step.mixable(self._cache, seq):
+            return None
+        if self._grouping() and seq.chunks_run == 0 and can_group(seq, self._plan.step):
+            return None  # a short prompt, new: it prefills in a group pass with its companions
+        try:
+            logits, n, points = mixed_step.forward(
+                self._model, self._inputs, self._cache, seq, limit, rungs=True
+            )
+        except Exception as exc:
+            self.waiting.remove(seq)
+            self._mixed.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
+            raise
+        seq.chunks_run += 1
+        self.mixed_chunks += 1
+        self._mixed.append(PrefillResult(seq, n, points))
+        return logits
+
+    def take_mixed(self) -> list[PrefillResult]:
+        """The prefill chunks the last `decode` carried (`mix`), once."""
+        mixed, self._mixed = self._mixed, []
+        return mixed
 
     def _read(self, queued: QueuedStep, *, fed: bool = True) -> list[RowResult]:
         """The tokens of a queued step (`batch_step.read_step`); `fed`: the step after it is
@@ -446,15 +495,13 @@ class BatchDecoder:
                 lone = seq
         if lone is not None and fits_first_pass(lone):
             return [self._first_token(lone)]
-        grouping = self._padded_prefill if self.group_prefill is None else self.group_prefill
-        group = grouping and not self._split
         results, group_failed = batch_join.prefill(
             self._model,
             self.waiting,
             self._plan,
             tokens,
             seconds,
-            group=group,
+            group=self._grouping(),
             bucketed=self._padded_prefill,
             rungs=self.decoding > 0,
         )
@@ -462,6 +509,11 @@ class BatchDecoder:
         if lone is not None and lone in self.waiting and fits_first_pass(lone):
             results.append(self._first_token(lone))  # its last prompt token, as in its lane
         return results
+
+    def _grouping(self) -> bool:
+        """Whether several arrivals' short prompts prefill in one pass (`group_prefill`)."""
+        grouping = self._padded_prefill if self.group_prefill is None else self.group_prefill
+        return bool(grouping) and not self._split
 
     def _first_token(self, seq: BatchSequence) -> PrefillResult:
         """The pass of `seq`'s prompt's rest with its first token (`batch_lone_media`), the token

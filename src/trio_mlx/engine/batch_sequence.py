@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from trio_mlx.engine.decode import GenerationJob, LogitsProcessor, PrefillPlan
-from trio_mlx.engine.padded_attention import padded_forward
+from trio_mlx.engine.padded_attention import padded_layers
 from trio_mlx.engine.prefill_shapes import PADDED_UP_TO, key_width, pass_size, reserve
 from trio_mlx.engine.prompt_cache import make_cache, without_kept_tokens
 from trio_mlx.engine.sampling import TokenSelector
@@ -174,10 +174,20 @@ class BatchSequence:
         65-135 ms on an H100's 8B, where a rung's chunk took 15-22 ms) and, from the second
         chunk on, every chunk's attention runs over its cache's buffer grown to a width bucket
         (`prefill_shapes.key_width`). Raises whatever the model raises."""
+        n, padding = self.next_chunk(limit, rungs=rungs)
+        if n == 0:
+            return 0, ()
+        tokens, layers = self.chunk_input(model, n, padding)
+        model(tokens[None], cache=layers)
+        return n, self.chunk_done(n, padding)
+
+    def next_chunk(self, limit: int, *, rungs: bool = False) -> tuple[int, int]:
+        """The prompt tokens of this sequence's next chunk of at most `limit` and the padding that
+        makes it whole blocks (`prefill_chunk`); (0, 0) once its prompt is in."""
         assert self.cache is not None
         remaining = self.remaining_prompt()
         if remaining <= 0:
-            return 0, ()
+            return 0, 0
         block = self._plan.block
         n = min(with_the_rest(limit, remaining), self._plan.step, remaining)
         if self._split and self._store_points:
@@ -187,17 +197,30 @@ class BatchSequence:
             n = pass_size(n, block, self._plan.step)
         elif block > 1 and n >= block:
             n -= n % block
+        return n, -n % block
+
+    def chunk_input(self, model: Any, n: int, padding: int) -> tuple[Any, list[Any]]:
+        """The next chunk's tokens (`n` of the prompt, then `padding` copies of the last) and
+        what the pass takes as its cache: the sequence's own, or views of it over its width
+        bucket (`prefill_shapes`)."""
+        assert self.cache is not None
         chunk = self._prompt[self.prompt_done : self.prompt_done + n]
-        padding = -n % block
         if padding:
             chunk = mx.concatenate([chunk, mx.repeat(chunk[-1:], padding)])
         keys = self.prompt_done + n + padding  # what the cache holds after this chunk
+        padded = self._padded and self._plan.block > 1
         if padded and keys <= PADDED_UP_TO and reserve(self.cache, key_width(keys)):
-            padded_forward(model, chunk[None], self.cache)
-        else:
-            model(chunk[None], cache=self.cache)
+            return chunk, padded_layers(model, self.cache, n + padding)
+        return chunk, self.cache
+
+    def chunk_done(self, n: int, padding: int, *, evaluate: bool = True) -> tuple[int, ...]:
+        """The pass of a chunk of `n` tokens and `padding` has been built: trim the padding off
+        the cache, evaluate it (unless `evaluate` is False: the pass is queued with a decode
+        step, `mixed_step`), count it; return the store points now reached."""
+        assert self.cache is not None
         if padding:
             for layer in self.cache:
                 layer.trim(padding)
-        mx.eval([c.state for c in self.cache])
-        return n, self.advance(n)
+        if evaluate:
+            mx.eval([c.state for c in self.cache])
+        return self.advance(n)

@@ -34,9 +34,15 @@ def padded_attention_default() -> bool:
 def padded_forward(model: Any, tokens: Any, cache: list[Any]) -> Any:
     """`model(tokens, cache=cache)` (tokens of shape (B, N)), with every attention over the
     cache's whole buffer (see the module). The cache is updated exactly as by the plain call."""
-    n = int(tokens.shape[1])
+    return model(tokens, cache=padded_layers(model, cache, int(tokens.shape[1])))
+
+
+def padded_layers(model: Any, cache: list[Any], n: int) -> list[Any]:
+    """What `model` takes as its cache for a pass of `n` tokens on `cache` with every attention
+    over the cache's whole buffer: a view of each layer for that one pass, or `cache` itself
+    where the pass cannot be padded (one token, or another kind of cache)."""
     views = _views(cache, n, boolean=takes_boolean_mask(model)) if n > 1 else None
-    return model(tokens, cache=cache if views is None else views)
+    return cache if views is None else views
 
 
 def forward_run(model: Any, tokens: list[int], cache: list[Any], pad_to: int | None) -> Any:

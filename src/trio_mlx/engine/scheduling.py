@@ -84,6 +84,9 @@ class PrefillPacer:
     _chunks: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=FIT_WINDOW), repr=False
     )
+    #: the last chunk that rode in a decode step's pass (`mixed_step`): its tokens and what the
+    #: step took past a plain one (None: none yet)
+    _mixed: tuple[int, float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.block < 1 or self.target_seconds <= 0:
@@ -112,10 +115,33 @@ class PrefillPacer:
                 self.budget_seconds(decoding, waiting), self.overhead * (1 + OVERHEAD_SLACK)
             )
             tokens = min(tokens, self._proven(allowed))
+        return self._whole_blocks(tokens)
+
+    def _whole_blocks(self, tokens: int) -> int:
         tokens = max(1, min(tokens, self.max_tokens))
         if self.block > 1:
             tokens = max(self.block, tokens - tokens % self.block)
         return tokens
+
+    def mixed_tokens(self, decoding: int, waiting: int = 1) -> int:
+        """Prompt tokens for a chunk that rides in the decode step's forward pass (`mixed_step`):
+        its cost is what it adds to the step, its own arithmetic, with no pass's fixed cost of
+        its own. Under the same budget as a chunk of its own (`budget_seconds`), scaled from the
+        last such chunk's cost (at most twice its tokens, fewer where it took longer than the
+        budget); before any, what a chunk of its own would take (`chunk_tokens`, which pays
+        the fixed cost as well: a safe first size)."""
+        if self._mixed is None:
+            return self.chunk_tokens(decoding, waiting)
+        tokens, seconds = self._mixed
+        budget = self.budget_seconds(decoding, waiting)
+        grown = 2 * tokens if seconds <= 0 else min(2 * tokens, int(tokens * budget / seconds))
+        return self._whole_blocks(grown)
+
+    def observe_mixed(self, tokens: int, seconds: float) -> None:
+        """A chunk of `tokens` rode in a decode step, which took `seconds` longer than a plain
+        one (`decode_step`)."""
+        if tokens > 0:
+            self._mixed = (tokens, seconds)
 
     def _proven(self, allowed: float) -> int:
         """The most tokens a chunk may take while sequences decode, from the largest of the last

@@ -121,11 +121,16 @@ def install_positioned_rope(model: Any) -> bool:
     return found
 
 
-@contextlib.contextmanager
-def chunk_positions(positions: list[int]) -> Iterator[None]:
+def chunk_positions(positions: list[int]) -> contextlib.AbstractContextManager[None]:
     """While inside, every `PositionedRoPE` on this thread rotates a chunk of `len(positions)`
     tokens by `positions` (token i at `positions[i]`)."""
-    _positions.value = mx.array(positions, dtype=mx.int32)
+    return token_positions(mx.array(positions, dtype=mx.int32))
+
+
+@contextlib.contextmanager
+def token_positions(positions: Any) -> Iterator[None]:
+    """`chunk_positions` for positions already in an int32 array (built on the device)."""
+    _positions.value = positions
     try:
         yield
     finally:

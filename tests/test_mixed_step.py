@@ -1,0 +1,190 @@
+"""A waiting prompt's prefill chunk in the decode step's pass (`mixed_step`): on the tiny fp32
+model, every request's greedy tokens equal the same request run alone, whether the chunks run
+plain or padded to width buckets, in both pipeline modes; an arrival aborted between two of its
+mixed chunks leaves the others' tokens as they were and nothing held."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+import trio_mlx
+from runner_intake import hold_the_runner_intake
+from servers import eventually
+from test_batching import assert_idle
+from trio_mlx.actors import batch_loop
+from trio_mlx.engine import mixed_step, scheduling
+from trio_mlx.engine.batch import BatchDecoder
+from trio_mlx.engine.batch_join import PrefillResult
+
+STEP = 32
+BLOCK = 8
+LENGTHS = {1: 150, 2: 333, 3: 90}
+
+
+def prompt(i: int) -> list[int]:
+    rng = random.Random(i)
+    return [rng.randrange(100, 40_000) for _ in range(LENGTHS[i])]
+
+
+def running_params(eos: list[int]) -> dict[str, Any]:
+    """The running stream: greedy, EOS banned, long enough to outlast the arrivals."""
+    return {"max_tokens": 160, "temperature": 0.0, "logit_bias": dict.fromkeys(eos, -100.0)}
+
+
+ARRIVING = {"max_tokens": 8, "temperature": 0.0}
+
+
+@pytest.fixture(autouse=True)
+def mixing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(BatchDecoder, "mixed_prefill", True)
+    # chunks of the whole step while rows decode: the arrivals are in well before the running
+    # stream ends (the tiny model's step is a few ms on this CPU)
+    monkeypatch.setattr(scheduling, "DEFAULT_DECODE_SHARE", 1000.0)
+
+
+async def alone(model_dir: Path, eos: list[int]) -> dict[int, list[int]]:
+    async with trio_mlx.open_engine(model_dir, max_num_seqs=1) as engine:
+        out = {0: (await engine.generate("Once upon a time", **running_params(eos))).tokens}
+        for i in LENGTHS:
+            out[i] = (await engine.generate(prompt(i), **ARRIVING)).tokens
+    return out
+
+
+async def arrivals_during_a_decode(
+    model_dir: Path, eos: list[int], *, on_mixed: Any = None
+) -> tuple[dict[int, list[int]], dict[str, Any], dict[int, trio.CancelScope]]:
+    """One stream decodes while three long prompts arrive; each one's tokens, the runner's
+    stats and the arrivals' cancel scopes. `on_mixed(scopes)`, if given, runs in the nursery
+    once the runner has started."""
+    async with trio_mlx.open_engine(
+        model_dir,
+        max_num_seqs=4,
+        prefill_step_size=STEP,
+        prefill_block=BLOCK,
+        cache_memory_bytes=0,
+    ) as engine:
+        outputs: dict[int, list[int]] = {}
+        started = trio.Event()
+        scopes = {i: trio.CancelScope() for i in LENGTHS}
+
+        async def running() -> None:
+            async for out in engine.stream_generate("Once upon a time", **running_params(eos)):
+                started.set()
+                outputs.setdefault(0, []).extend(out.new_tokens)
+
+        async def arriving(i: int) -> None:
+            await started.wait()
+            with scopes[i]:
+                outputs[i] = list((await engine.generate(prompt(i), **ARRIVING)).tokens)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(running)
+            for i in LENGTHS:
+                nursery.start_soon(arriving, i)
+            if on_mixed is not None:
+                await started.wait()
+                await on_mixed(engine, scopes)
+        await assert_idle(engine)
+        return outputs, engine.get_stats()["runner"], scopes
+
+
+def eos_ids(model_dir: Path) -> list[int]:
+    from trio_mlx.engine.loading import load_model
+
+    return sorted(load_model(model_dir).eos_token_ids)
+
+
+@pytest.mark.usefixtures("batch_pipeline")
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+async def test_chunks_in_the_decode_pass_give_every_request_its_tokens_alone(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, padded: bool
+) -> None:
+    eos = eos_ids(tiny_model_dir)
+    expected = await alone(tiny_model_dir, eos)
+    if padded:  # the chunks' attention over width buckets, as on CUDA
+        monkeypatch.setattr(batch_loop, "padded_prefill_default", lambda: True)
+    outputs, runner, _ = await arrivals_during_a_decode(tiny_model_dir, eos)
+    assert outputs == expected
+    # most of the arrivals' prompt tokens rode in decode steps (the first arrival's first chunk
+    # may come before its companions decode, and a chunk may find no row to ride with)
+    assert runner["mixed_chunks"] >= 6, runner
+
+
+async def test_an_abort_between_mixed_chunks_disturbs_no_one(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eos = eos_ids(tiny_model_dir)
+    expected = await alone(tiny_model_dir, eos)
+    hold = hold_the_runner_intake(monkeypatch)
+    mixed_lengths: list[int] = []
+    seen = threading.Event()
+    take = BatchDecoder.take_mixed
+
+    def held_after_a_mixed_chunk(self: BatchDecoder) -> list[PrefillResult]:
+        results = take(self)
+        for result in results:
+            seq = result.seq
+            if not seen.is_set() and seq.prompt_done < len(seq.job.prompt_tokens) - STEP:
+                mixed_lengths.append(len(seq.job.prompt_tokens))
+                hold.close()  # the runner waits at its next step's intake
+                seen.set()
+        return results
+
+    monkeypatch.setattr(BatchDecoder, "take_mixed", held_after_a_mixed_chunk)
+    aborted: list[int] = []
+
+    async def abort_the_mixed_one(engine: trio_mlx.Engine, scopes: dict[int, Any]) -> None:
+        await eventually(hold.held.is_set)  # a prompt has had a chunk mixed and has more to go
+        (i,) = [i for i, n in LENGTHS.items() if n == mixed_lengths[0]]
+        in_flight = engine.get_stats()["runner"]["requests_in_flight"]
+        scopes[i].cancel()  # the client goes away mid-admission
+        await eventually(
+            lambda: engine.get_stats()["runner"]["requests_in_flight"] == in_flight - 1
+        )
+        aborted.append(i)
+        hold.open()
+
+    outputs, runner, _ = await arrivals_during_a_decode(
+        tiny_model_dir, eos, on_mixed=abort_the_mixed_one
+    )
+    (gone,) = aborted
+    assert gone not in outputs
+    assert outputs == {i: expected[i] for i in expected if i != gone}
+    assert runner["aborted"] >= 1 and runner["mixed_chunks"] >= 1
+
+
+def test_only_plain_caches_and_chunks_of_the_batch_model_mix(tiny_model_dir: Path) -> None:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from trio_mlx.engine.batch_sequence import BatchSequence
+    from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+    from trio_mlx.engine.loading import load_model
+    from trio_mlx.engine.prompt_cache import make_cache
+    from trio_mlx.types import SamplingParams
+
+    loaded = load_model(tiny_model_dir)
+    assert mixed_step.prepare(loaded.model)
+    assert not mixed_step.prepare(object())  # no architecture the dispatcher reaches
+    job = GenerationJob(1, tuple(range(5, 105)), SamplingParams(max_tokens=2))
+    seq = BatchSequence(
+        job,
+        loaded.model,
+        vocab_size=len(loaded.tokenizer),
+        plan=PrefillPlan(STEP),
+        max_kv_size=None,
+        cache=None,
+        cached_tokens=0,
+        split_at_store_points=False,
+    )
+    rows = make_cache(loaded.model)
+    assert mixed_step.mixable(rows, seq)
+    rotating = [RotatingKVCache(max_size=64) for _ in rows]
+    assert not mixed_step.mixable(rotating, seq)  # a rotating batch cache runs apart
+    seq.prefill_model = loaded.model  # a prompt with media: its own model
+    assert not mixed_step.mixable(rows, seq)
