@@ -188,3 +188,38 @@ def test_only_plain_caches_and_chunks_of_the_batch_model_mix(tiny_model_dir: Pat
     assert not mixed_step.mixable(rotating, seq)  # a rotating batch cache runs apart
     seq.prefill_model = loaded.model  # a prompt with media: its own model
     assert not mixed_step.mixable(rows, seq)
+
+
+async def test_a_prompt_restored_from_the_prefix_cache_mixes_from_where_its_cache_ends(
+    tiny_model_dir: Path,
+) -> None:
+    """The prompt after a conversation's first turn: its cached prefix is restored, and its
+    chunks ride in decode steps from there, at their true positions."""
+    eos = eos_ids(tiny_model_dir)
+    first_turn = prompt(2)
+    rng = random.Random(5)
+    second_turn = first_turn + [rng.randrange(100, 40_000) for _ in range(120)]
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1) as engine:
+        expected = (await engine.generate(second_turn, **ARRIVING)).tokens
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=4, prefill_step_size=STEP, prefill_block=BLOCK
+    ) as engine:
+        await engine.generate(first_turn, **ARRIVING)  # its prompt's snapshot is stored
+        got: list[int] = []
+        started = trio.Event()
+
+        async def running(scope: trio.CancelScope) -> None:
+            with scope:
+                async for _ in engine.stream_generate("Once upon a time", **running_params(eos)):
+                    started.set()
+
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+            nursery.start_soon(running, scope)
+            await started.wait()
+            got = list((await engine.generate(second_turn, **ARRIVING)).tokens)
+            scope.cancel()
+        assert got == expected
+        assert engine.get_cache_stats()["hits"] >= 1
+        assert engine.get_stats()["runner"]["mixed_chunks"] >= 2
+        await assert_idle(engine)
