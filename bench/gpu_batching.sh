@@ -3,6 +3,8 @@
 #   step 1, carry [".whl/1", ".whl/3"]:  bash bench/gpu_batching.sh stash
 #   step 2, carry [".whl/2"]:            bash bench/gpu_batching.sh run-1b
 #   step 3 (same host):                  bash bench/gpu_batching.sh run-8b
+# long-arrival (same host, MODEL to change the 8B bf16 shape): bench.long_arrival with the prefill
+# chunks apart and in the decode step's pass, then bench.prefill_chunks' bucketed and mixed.
 # run-1b: the bare batched step ceiling (bench/batch_ceiling.py) at B = 1/4/16/64, then
 # bench.compare through HTTP at 1/4/16/64 streams beside mlx_lm.server and vllm-mlx
 # --continuous-batching, then trio-mlx alone at 1 stream with --max-num-seqs 1 (the serialized
@@ -22,7 +24,8 @@ case "${1:-}" in
   run-1b) model=synthetic:llama-1b-bf16; name=llama-1b-bf16; deadline=${DEADLINE:-300} ;;
   run-8b) model=synthetic:llama-8b-bf16; name=llama-8b-bf16; deadline=${DEADLINE:-330} ;;
   run-8b-q4) model=synthetic:llama-8b-q4; name=llama-8b-q4; deadline=${DEADLINE:-330} ;;
-  *) echo "usage: $0 stash | run-1b | run-8b | run-8b-q4" >&2; exit 2 ;;
+  long-arrival) model=${MODEL:-synthetic:llama-8b-bf16}; name=${model#synthetic:} ;;
+  *) echo "usage: $0 stash | run-1b | run-8b | run-8b-q4 | long-arrival" >&2; exit 2 ;;
 esac
 : "${OUT:?OUT must name the folder for the results}"
 if ! PYTHONPATH=/tmp/site python3 -c 'import mlx.core' 2>/dev/null; then bash .whl/2/on-gpu-host install; fi
@@ -39,6 +42,19 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
 vllm=(--vllm-python none)
 [[ -x /tmp/vllm-python ]] && vllm=(--vllm-python /tmp/vllm-python)
 cd "$CODE"
+if [[ "$1" == long-arrival ]]; then
+  # Issue 16's ITL p99 while an 8k prompt is admitted, chunks apart against chunks in the
+  # decode step's pass (`engine/mixed_step.py`), one process each; then the two passes apart.
+  for mixed in ${MIXED:-off on}; do
+    TRIO_MLX_MIXED_STEP=$mixed timeout -s INT 200 python3 -m bench.long_arrival --models "$model" \
+      --streams 16 --prompt-tokens 8000 --repeats 3 --long-max-tokens 64 --workdir "$WORK" \
+      --json "$OUT/$stamp-$card-long-arrival-$name-mixed-$mixed.json" | tail -4 || true
+  done
+  timeout -s INT 200 python3 -m bench.prefill_chunks --model "$model" --chunks 128,256,512 \
+    --variants bucketed,mixed --deadline-s 150 --out "$OUT/$stamp-$card-prefill-chunks-$name.json" \
+    | tail -13 || true
+  exit 0
+fi
 for ceiling in ${CEILING_MODELS:-$model}; do
   timeout 150 python3 -m bench.batch_ceiling --model "$ceiling" --batch 1,4,16,64 --workdir "$WORK" \
     --out "$OUT/$stamp-$card-batch-ceiling-${ceiling#synthetic:}.json" || true
