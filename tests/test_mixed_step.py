@@ -223,3 +223,71 @@ async def test_a_prompt_restored_from_the_prefix_cache_mixes_from_where_its_cach
         assert engine.get_cache_stats()["hits"] >= 1
         assert engine.get_stats()["runner"]["mixed_chunks"] >= 2
         await assert_idle(engine)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_the_mixed_pass_gives_the_rows_their_logits_and_the_chunk_its_cache(tied: bool) -> None:
+    """One pass against the two plain ones, float32 on the CPU: the rows' logits (the batch's
+    left-padded rows of different lengths) and the chunk's keys and values."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from trio_mlx.engine.batch_sequence import BatchSequence
+    from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+    from trio_mlx.types import SamplingParams
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=300,
+        tie_word_embeddings=tied,
+    )
+    mx.random.seed(3)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    assert mixed_step.prepare(model)
+    lengths, inputs = (5, 9, 7), mx.array([11, 12, 13], dtype=mx.uint32)
+
+    def batch() -> list[BatchKVCache]:
+        caches = []
+        for i, length in enumerate(lengths):
+            cache = [KVCache() for _ in model.layers]
+            model(mx.arange(20 + i, 20 + i + length, dtype=mx.uint32)[None], cache=cache)
+            caches.append(cache)
+        return [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(2)]
+
+    prompt = tuple(range(40, 40 + 50))
+    seq = BatchSequence(
+        GenerationJob(1, prompt, SamplingParams(max_tokens=1)),
+        model,
+        vocab_size=args.vocab_size,
+        plan=PrefillPlan(16),
+        max_kv_size=None,
+        cache=None,
+        cached_tokens=0,
+        split_at_store_points=False,
+    )
+    seq.prefill_chunk(model, 16)  # the chunk rides from position 16
+    rows = batch()
+    logits, n, _ = mixed_step.forward(model, inputs, rows, seq, 16, rungs=False)
+    plain_rows = batch()
+    expected = model(inputs[:, None], cache=plain_rows)[:, -1, :]
+    assert n == 16 and seq.prompt_done == 32
+    assert mx.allclose(logits, expected, atol=1e-4).item()
+    alone = [KVCache() for _ in model.layers]
+    model(mx.array(prompt[:32], dtype=mx.uint32)[None], cache=alone)
+    for mixed_layer, plain_layer in zip(seq.cache, alone, strict=True):
+        assert mixed_layer.offset == plain_layer.offset == 32
+        for got, want in (
+            (mixed_layer.keys, plain_layer.keys),
+            (mixed_layer.values, plain_layer.values),
+        ):
+            assert mx.allclose(got[..., :32, :], want[..., :32, :], atol=1e-4).item()
+    for mixed_layer, plain_layer in zip(rows, plain_rows, strict=True):
+        assert mx.allclose(mixed_layer.keys, plain_layer.keys, atol=1e-5).item()

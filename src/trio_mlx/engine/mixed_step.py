@@ -22,7 +22,8 @@ inputs, then the chunk's), with a `MixedLayer` as each layer's cache:
 - the attention (`attend`, reached through `decode_attention.install_dispatcher`) splits the
   queries and attends each part over its own keys (the rows through the batch cache's own
   `attend` where it has one, `ragged_attention`), then joins the outputs in token order.
-The rows' logits are the first `rows` positions of the pass's. Everything else a layer does is
+The output layer runs over the rows' positions only (the model's trunk, then its head: a chunk's
+positions need no logits). Everything else a layer does is
 token-wise, so each token's output is what its own pass gives (up to the rounding of a matrix
 product over more rows: on the CPU backend in float32, the same greedy tokens, tests).
 
@@ -154,5 +155,13 @@ def forward(
     )
     mixed = [MixedLayer(r, c, rows) for r, c in zip(cache, layers, strict=True)]
     with true_positions.token_positions(positions):
-        logits = model(mx.concatenate([inputs.astype(tokens.dtype), tokens])[None], cache=mixed)
-    return logits[0, :rows, :], n, seq.chunk_done(n, padding, evaluate=False)
+        hidden = model.model(mx.concatenate([inputs.astype(tokens.dtype), tokens])[None], mixed)
+    return _head(model, hidden[0, :rows, :]), n, seq.chunk_done(n, padding, evaluate=False)
+
+
+def _head(model: Any, hidden: Any) -> Any:
+    """The output layer over the rows' hidden states only, as the model's `__call__` applies it
+    (the chunk's positions need none: a prefill keeps no logits)."""
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(hidden)
+    return model.lm_head(hidden)
