@@ -225,10 +225,17 @@ async def test_a_prompt_restored_from_the_prefix_cache_mixes_from_where_its_cach
         await assert_idle(engine)
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
-def test_the_mixed_pass_gives_the_rows_their_logits_and_the_chunk_its_cache(tied: bool) -> None:
+@pytest.mark.parametrize(
+    ("tied", "fused"),
+    [(True, False), (False, False), (False, True)],
+    ids=["tied-head", "own-head", "fused-projections"],
+)
+def test_the_mixed_pass_gives_the_rows_their_logits_and_the_chunk_its_cache(
+    tied: bool, fused: bool
+) -> None:
     """One pass against the two plain ones, float32 on the CPU: the rows' logits (the batch's
-    left-padded rows of different lengths) and the chunk's keys and values."""
+    left-padded rows of different lengths) and the chunk's keys and values; also with the
+    projections fused, as on a GPU (`fused.fuse_projections`)."""
     import mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -251,6 +258,10 @@ def test_the_mixed_pass_gives_the_rows_their_logits_and_the_chunk_its_cache(tied
     mx.random.seed(3)
     model = llama.Model(args)
     mx.eval(model.parameters())
+    if fused:
+        from trio_mlx.engine.fused import fuse_projections
+
+        assert fuse_projections(model) == 2 * args.num_hidden_layers
     assert mixed_step.prepare(model)
     lengths, inputs = (5, 9, 7), mx.array([11, 12, 13], dtype=mx.uint32)
 
