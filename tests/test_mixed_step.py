@@ -109,11 +109,21 @@ async def test_chunks_in_the_decode_pass_give_every_request_its_tokens_alone(
     expected = await alone(tiny_model_dir, eos)
     if padded:  # the chunks' attention over width buckets, as on CUDA
         monkeypatch.setattr(batch_loop, "padded_prefill_default", lambda: True)
+    carried: list[int] = []  # chunks a pass carried
+    forward = mixed_step.forward
+
+    def counted(model: Any, inputs: Any, cache: Any, chunks: Any, **kwargs: Any) -> Any:
+        carried.append(len(chunks))
+        return forward(model, inputs, cache, chunks, **kwargs)
+
+    monkeypatch.setattr(mixed_step, "forward", counted)
     outputs, runner, _ = await arrivals_during_a_decode(tiny_model_dir, eos)
     assert outputs == expected
     # most of the arrivals' prompt tokens rode in decode steps (the first arrival's first chunk
     # may come before its companions decode, and a chunk may find no row to ride with)
     assert runner["mixed_chunks"] >= 6, runner
+    # where a prompt's last chunk left some of the step's budget, the next prompt took it
+    assert max(carried) >= 2, carried
 
 
 async def test_an_abort_between_mixed_chunks_disturbs_no_one(
@@ -233,9 +243,10 @@ async def test_a_prompt_restored_from_the_prefix_cache_mixes_from_where_its_cach
 def test_the_mixed_pass_gives_the_rows_their_logits_and_the_chunk_its_cache(
     tied: bool, fused: bool
 ) -> None:
-    """One pass against the two plain ones, float32 on the CPU: the rows' logits (the batch's
-    left-padded rows of different lengths) and the chunk's keys and values; also with the
-    projections fused, as on a GPU (`fused.fuse_projections`)."""
+    """One pass against the plain ones, float32 on the CPU: the rows' logits (the batch's
+    left-padded rows of different lengths) and two chunks' keys and values (one from the middle
+    of its prompt, one a fresh prompt's whole rest); also with the projections fused, as on a
+    GPU (`fused.fuse_projections`)."""
     import mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -273,32 +284,39 @@ def test_the_mixed_pass_gives_the_rows_their_logits_and_the_chunk_its_cache(
             caches.append(cache)
         return [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(2)]
 
-    prompt = tuple(range(40, 40 + 50))
-    seq = BatchSequence(
-        GenerationJob(1, prompt, SamplingParams(max_tokens=1)),
-        model,
-        vocab_size=args.vocab_size,
-        plan=PrefillPlan(16),
-        max_kv_size=None,
-        cache=None,
-        cached_tokens=0,
-        split_at_store_points=False,
-    )
-    seq.prefill_chunk(model, 16)  # the chunk rides from position 16
+    def sequence(request: int, prompt: tuple[int, ...]) -> BatchSequence:
+        return BatchSequence(
+            GenerationJob(request, prompt, SamplingParams(max_tokens=1)),
+            model,
+            vocab_size=args.vocab_size,
+            plan=PrefillPlan(16),
+            max_kv_size=None,
+            cache=None,
+            cached_tokens=0,
+            split_at_store_points=False,
+        )
+
+    # two chunks in the pass: one from position 16 of a long prompt, one a fresh prompt's first
+    long, fresh = tuple(range(40, 90)), tuple(range(100, 110))
+    ahead, starting = sequence(1, long), sequence(2, fresh)
+    ahead.prefill_chunk(model, 16)
     rows = batch()
-    logits, n, _ = mixed_step.forward(model, inputs, rows, seq, 16, rungs=False)
+    logits, done = mixed_step.forward(
+        model, inputs, rows, [(ahead, 16), (starting, 16)], rungs=False
+    )
     plain_rows = batch()
     expected = model(inputs[:, None], cache=plain_rows)[:, -1, :]
-    assert n == 16 and seq.prompt_done == 32
+    assert [n for n, _ in done] == [16, 9] and (ahead.prompt_done, starting.prompt_done) == (32, 9)
     assert mx.allclose(logits, expected, atol=1e-4).item()
-    alone = [KVCache() for _ in model.layers]
-    model(mx.array(prompt[:32], dtype=mx.uint32)[None], cache=alone)
-    for mixed_layer, plain_layer in zip(seq.cache, alone, strict=True):
-        assert mixed_layer.offset == plain_layer.offset == 32
-        for got, want in (
-            (mixed_layer.keys, plain_layer.keys),
-            (mixed_layer.values, plain_layer.values),
-        ):
-            assert mx.allclose(got[..., :32, :], want[..., :32, :], atol=1e-4).item()
+    for seq, prompt, held in ((ahead, long, 32), (starting, fresh, 9)):
+        alone = [KVCache() for _ in model.layers]
+        model(mx.array(prompt[:held], dtype=mx.uint32)[None], cache=alone)
+        for mixed_layer, plain_layer in zip(seq.cache, alone, strict=True):
+            assert mixed_layer.offset == plain_layer.offset == held
+            for got, want in (
+                (mixed_layer.keys, plain_layer.keys),
+                (mixed_layer.values, plain_layer.values),
+            ):
+                assert mx.allclose(got[..., :held, :], want[..., :held, :], atol=1e-4).item()
     for mixed_layer, plain_layer in zip(rows, plain_rows, strict=True):
         assert mx.allclose(mixed_layer.keys, plain_layer.keys, atol=1e-5).item()

@@ -8,9 +8,9 @@ The loop, top to bottom, once per step while anything is live:
    next step);
 2. one decode step over every row of the batch (`BatchDecoder.decode`): its tokens and finishes
    go to Trio at once, then the finished sequences' snapshots are taken. With
-   `BatchDecoder.mixing`, a waiting prompt's next chunk rides in the step's forward pass
-   (`mixed_step`, sized by `PrefillPacer.mixed_tokens`), and step 4 takes that chunk's result
-   instead of running a chunk of its own. With a draft model, a
+   `BatchDecoder.mixing`, waiting prompts' next chunks ride in the step's forward pass
+   (`mixed_step`, sized by `PrefillPacer.mixed_tokens`), and step 4 takes those chunks' results
+   instead of running chunks of their own. With a draft model, a
    batch of one row takes a speculative step instead (`BatchDecoder.speculate`: several tokens
    for that row); a lone greedy row under a grammar whose last token was forced, a jump-forward
    step (`BatchDecoder.jump`: the tokens its grammar forces next in one pass); as soon as a

@@ -120,7 +120,7 @@ class BatchDecoder:
     #: a batch of rows of very different lengths attends in two groups, the short rows over
     #: only the columns they use (`ragged_attention`); False: every row over the whole width
     ragged_attention = True
-    #: a waiting prompt's next chunk rides in the decode step's forward pass (`mixed_step`,
+    #: waiting prompts' next chunks ride in the decode step's forward pass (`mixed_step`,
     #: `decode`'s `mix`). None: `TRIO_MLX_MIXED_STEP=on` (off by default: not yet measured on a
     #: GPU, where it is meant to pay)
     mixed_prefill: bool | None = None
@@ -281,8 +281,8 @@ class BatchDecoder:
     def decode(self, mix: int = 0) -> list[RowResult]:
         """One step: drop removed rows, queue the next forward pass, read the previous one; not
         `pipelined`, read the step just queued as well (module docstring). `mix`: where the
-        batch is `mixing`, the first waiting sequence's next chunk of at most `mix` tokens rides
-        in the pass (`mixed_step`); its result is then taken by `take_mixed`."""
+        batch is `mixing`, waiting sequences' next chunks of `mix` tokens in all ride in the
+        pass (`_mixed_pass`); their results are then taken by `take_mixed`."""
         self._drop_removed()
         try:
             queued = self._queue_step(mix) if self.rows else None
@@ -298,8 +298,8 @@ class BatchDecoder:
         return results
 
     def _queue_step(self, mix: int = 0) -> QueuedStep:
-        """Queue the next step's forward pass and its choice of tokens (`batch_step`), with a
-        waiting sequence's chunk of at most `mix` tokens in it where it can (`_mixed_pass`)."""
+        """Queue the next step's forward pass and its choice of tokens (`batch_step`), with
+        waiting sequences' chunks of `mix` tokens in all in it where they can (`_mixed_pass`)."""
         rows = list(self.rows)
         spent = spent_rows(rows, self._queued)
         feed(rows)
@@ -325,27 +325,44 @@ class BatchDecoder:
         return queued
 
     def _mixed_pass(self, rows: list[BatchSequence], limit: int) -> Any:
-        """The step's logits from one pass with the first waiting sequence's next chunk in it
-        (`mixed_step.forward`), or None where they cannot share it. A pass that raises fails that
-        sequence too (it leaves `waiting`; its result says why), and every row (`decode`)."""
+        """The step's logits from one pass with waiting sequences' next chunks in it, `limit`
+        prompt tokens in all (`mixed_step.forward`), or None where none can share it. The first
+        waiting sequence not ready takes its chunk first, then the next ones in admission order
+        take what is left (a short prompt behind a long one is not held until the long one is
+        in), up to `mixed_step.MAX_CHUNKS`. None where the first cannot ride (it takes a chunk
+        of its own), or is a new short prompt that a group pass takes with its companions. A
+        pass that raises fails those sequences too (they leave `waiting`; their results say
+        why), and every row (`decode`)."""
         if not self.mixing or any(seq.rope_delta for seq in rows):
             return None
-        seq = next((s for s in self.waiting if not s.ready), None)
-        if seq is None or not mixed_step.mixable(self._cache, seq):
+        pending = [s for s in self.waiting if not s.ready]
+        if not pending or not mixed_step.mixable(self._cache, pending[0]):
             return None
-        if self._grouping() and seq.chunks_run == 0 and can_group(seq, self._plan.step):
-            return None  # a short prompt, new: it prefills in a group pass with its companions
+        head = pending[0]
+        if self._grouping() and head.chunks_run == 0 and can_group(head, self._plan.step):
+            return None
+        chunks: list[tuple[BatchSequence, int]] = []
+        budget = limit
+        for seq in pending:
+            if budget <= 0 or len(chunks) == mixed_step.MAX_CHUNKS:
+                break
+            if mixed_step.mixable(self._cache, seq):
+                n, padding = seq.next_chunk(budget, rungs=True)
+                chunks.append((seq, budget))
+                budget -= n + padding
         try:
-            logits, n, points = mixed_step.forward(
-                self._model, self._inputs, self._cache, seq, limit, rungs=True
+            logits, done = mixed_step.forward(
+                self._model, self._inputs, self._cache, chunks, rungs=True
             )
         except Exception as exc:
-            self.waiting.remove(seq)
-            self._mixed.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
+            for seq, _ in chunks:
+                self.waiting.remove(seq)
+                self._mixed.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
             raise
-        seq.chunks_run += 1
-        self.mixed_chunks += 1
-        self._mixed.append(PrefillResult(seq, n, points))
+        for (seq, _), (n, points) in zip(chunks, done, strict=True):
+            seq.chunks_run += 1
+            self._mixed.append(PrefillResult(seq, n, points))
+        self.mixed_chunks += len(chunks)
         return logits
 
     def take_mixed(self) -> list[PrefillResult]:

@@ -1,5 +1,5 @@
-"""A decode step that carries a waiting prompt's next prefill chunk: the batch's rows and the
-chunk in one forward pass. Runner thread only.
+"""A decode step that carries waiting prompts' next prefill chunks: the batch's rows and the
+chunks in one forward pass. Runner thread only.
 
 Why: while rows decode, a long prompt is admitted a chunk per step, and on a GPU each chunk is a
 forward pass of its own. Its fixed cost is that of reading every weight once, which is what a
@@ -7,25 +7,27 @@ decode step costs too: on the H200's 8B bf16 a 128-token chunk took ~18 ms besid
 decode step of 16 rows (docs/benchmarks, "A long prompt arriving at a busy batch"), so the
 running streams' gap was ~2.7x a plain one at the median of the admission, near issue 16's 3x
 bound for its p99. In one pass the projections and MLPs read their weights once for the rows'
-tokens and the chunk's together: the chunk adds its own arithmetic, not a second pass.
+tokens and the chunks' together: a chunk adds its own arithmetic, not a second pass. Several
+prompts' chunks may share the pass (`BatchDecoder._mixed_pass`: a short prompt arriving behind a
+long one takes what the long one's chunk leaves of the step's budget).
 
-How: the pass runs the model's own `__call__` on one sequence of `rows + n` tokens (the rows'
-inputs, then the chunk's), with a `MixedLayer` as each layer's cache:
+How: the pass runs the model's own trunk on one sequence of `rows + n1 + n2 + ...` tokens (the
+rows' inputs, then each chunk's), with a `MixedLayer` as each layer's cache:
 - RoPE rotates each token by its own position (`true_positions.PositionedRoPE`): a row's next
-  position (the batch cache's `offset`, as the plain step's RoPE reads it), the chunk's from its
+  position (the batch cache's `offset`, as the plain step's RoPE reads it), a chunk's from its
   sequence's cached length;
 - `update_and_fetch` writes the rows' keys and values into the batch cache (as `rows` one-token
-  rows) and the chunk's into its sequence's own cache (or views of it over its width bucket,
+  rows) and each chunk's into its sequence's own cache (or views of it over its width bucket,
   `prefill_shapes`), keeping what each returns;
-- `make_mask` (asked once, of the first layer's) gives both masks, the batch's for one token and
-  the chunk's for its length, as the plain passes would have made them;
+- `make_mask` (asked once, of the first layer's) gives every part's mask, the batch's for one
+  token and each chunk's for its length, as the plain passes would have made them;
 - the attention (`attend`, reached through `decode_attention.install_dispatcher`) splits the
   queries and attends each part over its own keys (the rows through the batch cache's own
   `attend` where it has one, `ragged_attention`), then joins the outputs in token order.
-The output layer runs over the rows' positions only (the model's trunk, then its head: a chunk's
-positions need no logits). Everything else a layer does is
-token-wise, so each token's output is what its own pass gives (up to the rounding of a matrix
-product over more rows: on the CPU backend in float32, the same greedy tokens, tests).
+The output layer runs over the rows' positions only (the trunk, then the model's head: a chunk's
+positions need no logits). Everything else a layer does is token-wise, so each token's output is
+what its own pass gives (up to the rounding of a matrix product over more rows: on the CPU
+backend in float32, the same greedy tokens, tests).
 
 Where: `mixable` — a model whose attention reaches the dispatcher (`COMPILABLE_MODULES`) with a
 RoPE module to wrap; rows on a batch cache of plain `BatchKVCache` layers or a lone row's
@@ -35,6 +37,7 @@ chunks go through the batch's model on plain `KVCache` layers (not scoring, no m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,25 +50,32 @@ from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
 from trio_mlx.engine.decode_attention import install_dispatcher
 
+#: Chunks of different sequences one pass carries at most (each is an attention of its own in
+#: every layer).
+MAX_CHUNKS = 8
+
 
 @dataclass(frozen=True)
 class _Masks:
-    """The two parts' masks, as their plain passes would make them."""
+    """The parts' masks, as their plain passes would make them: the rows', then each chunk's."""
 
     rows: Any
-    chunk: Any
+    chunks: tuple[Any, ...]
 
 
 class MixedLayer:
     """One layer's cache for one mixed pass: the first `rows` tokens are the batch's rows (one
-    each, on `rows_layer`), the rest one chunk of a waiting sequence (on `chunk_layer`)."""
+    each, on `rows_layer`), then a chunk of `sizes[i]` tokens of each waiting sequence (on
+    `chunk_layers[i]`)."""
 
-    def __init__(self, rows_layer: Any, chunk_layer: Any, rows: int) -> None:
+    def __init__(
+        self, rows_layer: Any, chunk_layers: Sequence[Any], rows: int, sizes: Sequence[int]
+    ) -> None:
         self._rows_layer = rows_layer
-        self._chunk_layer = chunk_layer
+        self._chunk_layers = list(chunk_layers)
         self._rows = rows
-        self._rows_kv: tuple[Any, Any] | None = None
-        self._chunk_kv: tuple[Any, Any] | None = None
+        self._sizes = list(sizes)
+        self._fetched: list[tuple[Any, Any]] = []  # the rows', then each chunk's keys and values
 
     @property
     def offset(self) -> int:
@@ -77,25 +87,41 @@ class MixedLayer:
         options = {"return_array": return_array, "window_size": window_size}
         return _Masks(
             self._rows_layer.make_mask(1, **options),
-            self._chunk_layer.make_mask(n - self._rows, **options),
+            tuple(
+                layer.make_mask(size, **options)
+                for layer, size in zip(self._chunk_layers, self._sizes, strict=True)
+            ),
         )
 
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         b = self._rows
-        self._rows_kv = self._rows_layer.update_and_fetch(_as_rows(keys, b), _as_rows(values, b))
-        self._chunk_kv = self._chunk_layer.update_and_fetch(keys[:, :, b:, :], values[:, :, b:, :])
+        self._fetched = [self._rows_layer.update_and_fetch(_as_rows(keys, b), _as_rows(values, b))]
+        for layer, (start, end) in zip(self._chunk_layers, self._spans(), strict=True):
+            part = layer.update_and_fetch(keys[:, :, start:end, :], values[:, :, start:end, :])
+            self._fetched.append(part)
         return keys, values  # the attention reads the parts kept here (`attend`)
 
     def attend(self, queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any:
-        assert self._rows_kv is not None and self._chunk_kv is not None
+        assert len(self._fetched) == 1 + len(self._chunk_layers)
         assert isinstance(mask, _Masks)
-        b = self._rows
-        rows = _attention(self._rows_layer, _as_rows(queries, b), *self._rows_kv, scale, mask.rows)
-        chunk = _attention(
-            self._chunk_layer, queries[:, :, b:, :], *self._chunk_kv, scale, mask.chunk
-        )
-        self._rows_kv = self._chunk_kv = None
-        return mx.concatenate([rows.transpose(2, 1, 0, 3), chunk], axis=2)
+        (keys_rows, values_rows), *chunks_fetched = self._fetched
+        queries_rows = _as_rows(queries, self._rows)
+        rows = _attention(self._rows_layer, queries_rows, keys_rows, values_rows, scale, mask.rows)
+        outputs = [rows.transpose(2, 1, 0, 3)]
+        for layer, (start, end), (k, v), chunk_mask in zip(
+            self._chunk_layers, self._spans(), chunks_fetched, mask.chunks, strict=True
+        ):
+            outputs.append(_attention(layer, queries[:, :, start:end, :], k, v, scale, chunk_mask))
+        self._fetched = []
+        return mx.concatenate(outputs, axis=2)
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """Where each chunk's tokens are in the pass."""
+        spans, start = [], self._rows
+        for size in self._sizes:
+            spans.append((start, start + size))
+            start += size
+        return spans
 
 
 def _as_rows(x: Any, rows: int) -> Any:
@@ -135,28 +161,40 @@ def mixable(cache: list[Any], seq: BatchSequence) -> bool:
 
 
 def forward(
-    model: Any, inputs: Any, cache: list[Any], seq: BatchSequence, limit: int, *, rungs: bool
-) -> tuple[Any, int, tuple[int, ...]]:
-    """One mixed pass: the rows' `inputs` (one token each) on the batch's `cache` and `seq`'s
-    next chunk of at most `limit` tokens (`BatchSequence.next_chunk`); return the rows' logits
-    (rows, vocab), lazy, the prompt tokens the chunk took, and the store points it reached.
-    The chunk's cache is written by the same lazy graph (queued with the step)."""
+    model: Any,
+    inputs: Any,
+    cache: list[Any],
+    chunks: Sequence[tuple[BatchSequence, int]],
+    *,
+    rungs: bool,
+) -> tuple[Any, list[tuple[int, tuple[int, ...]]]]:
+    """One mixed pass: the rows' `inputs` (one token each) on the batch's `cache` and, for each
+    `(seq, limit)` of `chunks`, `seq`'s next chunk of at most `limit` tokens
+    (`BatchSequence.next_chunk`); return the rows' logits (rows, vocab), lazy, and per chunk the
+    prompt tokens it took and the store points it reached. The chunks' caches are written by the
+    same lazy graph (queued with the step)."""
     rows = int(inputs.shape[0])
-    n, padding = seq.next_chunk(limit, rungs=rungs)
-    tokens, layers = seq.chunk_input(model, n, padding)
     first = cache[0]
     row_positions = first.offset if type(first) is BatchKVCache else mx.array([first.offset])
-    chunk_start = seq.prompt_done
-    positions = mx.concatenate(
-        [
-            row_positions.astype(mx.int32),
-            mx.arange(chunk_start, chunk_start + n + padding, dtype=mx.int32),
-        ]
-    )
-    mixed = [MixedLayer(r, c, rows) for r, c in zip(cache, layers, strict=True)]
-    with true_positions.token_positions(positions):
-        hidden = model.model(mx.concatenate([inputs.astype(tokens.dtype), tokens])[None], mixed)
-    return _head(model, hidden[0, :rows, :]), n, seq.chunk_done(n, padding, evaluate=False)
+    parts, positions, sizes, layers = [inputs.astype(mx.uint32)], [row_positions], [], []
+    planned: list[tuple[BatchSequence, int, int]] = []
+    for seq, limit in chunks:
+        n, padding = seq.next_chunk(limit, rungs=rungs)
+        tokens, seq_layers = seq.chunk_input(model, n, padding)
+        parts.append(tokens.astype(mx.uint32))
+        positions.append(mx.arange(seq.prompt_done, seq.prompt_done + n + padding))
+        sizes.append(n + padding)
+        layers.append(seq_layers)
+        planned.append((seq, n, padding))
+    mixed = [
+        MixedLayer(r, [seq_layers[i] for seq_layers in layers], rows, sizes)
+        for i, r in enumerate(cache)
+    ]
+    every = mx.concatenate([p.astype(mx.int32) for p in positions])
+    with true_positions.token_positions(every):
+        hidden = model.model(mx.concatenate(parts)[None], mixed)
+    done = [(n, seq.chunk_done(n, padding, evaluate=False)) for seq, n, padding in planned]
+    return _head(model, hidden[0, :rows, :]), done
 
 
 def _head(model: Any, hidden: Any) -> Any:
