@@ -50,6 +50,7 @@ if [[ "$1" == long-arrival ]]; then
       --streams 16 --prompt-tokens 8000 --repeats 3 --long-max-tokens 64 --workdir "$WORK" \
       --json "$OUT/$stamp-$card-long-arrival-$name-mixed-$mixed.json" | tail -4 || true
   done
+  [[ -n "${NO_CHUNKS:-}" ]] && exit 0
   timeout -s INT 200 python3 -m bench.prefill_chunks --model "$model" --chunks 128,256,512 \
     --variants bucketed,mixed --deadline-s 150 --out "$OUT/$stamp-$card-prefill-chunks-$name.json" \
     | tail -13 || true
