@@ -148,3 +148,24 @@ def test_a_chunk_in_the_decode_pass_is_sized_by_what_it_adds_to_the_step() -> No
     pacer.observe_mixed(512, -0.001)  # within the step's noise: grows
     assert pacer.mixed_tokens(decoding=16) == 1024
     assert pacer.decode_step == 0.012  # a mixed step's time is not a plain step's
+
+
+def test_a_step_that_carried_a_chunk_is_never_a_plain_steps_time() -> None:
+    """The runner's accounting (`batch_loop._observe_step`): pipelined, a step's wait is mostly
+    the pass queued a step before, so its time costs that pass's chunk; the first step with a
+    chunk in its own pass is not a plain step either (its wait may include that pass)."""
+    from trio_mlx.actors.batch_loop import _observe_step
+    from trio_mlx.engine.batch_join import PrefillResult
+
+    pacer = PrefillPacer(max_tokens=4096, block=64, target_seconds=0.25)
+    pacer.observe_decode(0.0074)
+    chunk = [PrefillResult(seq=None, prefilled=512)]  # type: ignore[arg-type]
+    later = _observe_step(pacer, 0.080, chunk, 0, True)  # the first carried a chunk: 80 ms
+    assert later == 512 and pacer.decode_step == 0.0074 and pacer._mixed is None
+    later = _observe_step(pacer, 0.060, [], later, True)  # the next waits for that chunk
+    assert later == 0 and pacer._mixed == (512, pytest.approx(0.0526))
+    assert pacer.decode_step == 0.0074
+    _observe_step(pacer, 0.0080, [], 0, True)  # a plain step again
+    assert pacer.decode_step == pytest.approx(0.8 * 0.0074 + 0.2 * 0.008)
+    _observe_step(pacer, 0.030, chunk, 0, False)  # read at once: its own chunk's cost
+    assert pacer._mixed == (512, pytest.approx(0.030 - pacer.decode_step))
