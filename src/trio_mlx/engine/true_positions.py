@@ -2,7 +2,9 @@
 not be contiguous in position (`PositionedKVCache`), and a RoPE that rotates each token of a chunk
 by its own position (`PositionedRoPE`, while `chunk_positions` is active). SpecPrefill's kept
 tokens (`specprefill`) live in such caches, on both routes; the batched route's cache layout
-(`batch_layout`, `batch_mask`, `batch_jump`) reads them. Runner thread only.
+(`batch_layout`, `batch_mask`, `batch_jump`) reads them. The decode step that carries prefill
+chunks (`mixed_step`) rotates its rows' and chunks' tokens by `PositionedRoPE` too. Runner thread
+only.
 """
 
 from __future__ import annotations
