@@ -17,6 +17,7 @@ import trio_mlx
 from runner_intake import hold_the_runner_intake
 from servers import eventually
 from test_batching import assert_idle
+from test_long_join import eos_ids, no_eos
 from trio_mlx.actors import batch_loop
 from trio_mlx.engine import mixed_step, scheduling
 from trio_mlx.engine.batch import BatchDecoder
@@ -34,7 +35,7 @@ def prompt(i: int) -> list[int]:
 
 def running_params(eos: list[int]) -> dict[str, Any]:
     """The running stream: greedy, EOS banned, long enough to outlast the arrivals."""
-    return {"max_tokens": 160, "temperature": 0.0, "logit_bias": dict.fromkeys(eos, -100.0)}
+    return no_eos(eos, 160)
 
 
 ARRIVING = {"max_tokens": 8, "temperature": 0.0}
@@ -92,12 +93,6 @@ async def arrivals_during_a_decode(
                 await on_mixed(engine, scopes)
         await assert_idle(engine)
         return outputs, engine.get_stats()["runner"], scopes
-
-
-def eos_ids(model_dir: Path) -> list[int]:
-    from trio_mlx.engine.loading import load_model
-
-    return sorted(load_model(model_dir).eos_token_ids)
 
 
 @pytest.mark.usefixtures("batch_pipeline")
