@@ -73,7 +73,6 @@ from trio_mlx.engine.batch_lone_media import (
     fits_first_pass,
     lone_step_model,
 )
-from trio_mlx.engine.batch_prefill import can_group
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.batch_speculate import can_speculate, speculate_row
@@ -326,30 +325,16 @@ class BatchDecoder:
 
     def _mixed_pass(self, rows: list[BatchSequence], limit: int) -> Any:
         """The step's logits from one pass with waiting sequences' next chunks in it, `limit`
-        prompt tokens in all (`mixed_step.forward`), or None where none can share it. The first
-        waiting sequence not ready takes its chunk first, then the next ones in admission order
-        take what is left (a short prompt behind a long one is not held until the long one is
-        in), up to `mixed_step.MAX_CHUNKS`. None where the first cannot ride (it takes a chunk
-        of its own), or is a new short prompt that a group pass takes with its companions. A
-        pass that raises fails those sequences too (they leave `waiting`; their results say
-        why), and every row (`decode`)."""
+        prompt tokens in all (`mixed_step.choose_chunks`, `mixed_step.forward`), or None where
+        none can share it. A pass that raises fails those sequences too (they leave `waiting`;
+        their results say why), and every row (`decode`)."""
         if not self.mixing or any(seq.rope_delta for seq in rows):
             return None
-        pending = [s for s in self.waiting if not s.ready]
-        if not pending or not mixed_step.mixable(self._cache, pending[0]):
+        chunks = mixed_step.choose_chunks(
+            self.waiting, self._cache, limit, grouping=self._grouping(), step=self._plan.step
+        )
+        if not chunks:
             return None
-        head = pending[0]
-        if self._grouping() and head.chunks_run == 0 and can_group(head, self._plan.step):
-            return None
-        chunks: list[tuple[BatchSequence, int]] = []
-        budget = limit
-        for seq in pending:
-            if budget <= 0 or len(chunks) == mixed_step.MAX_CHUNKS:
-                break
-            if mixed_step.mixable(self._cache, seq):
-                n, padding = seq.next_chunk(budget, rungs=True)
-                chunks.append((seq, budget))
-                budget -= n + padding
         try:
             logits, done = mixed_step.forward(
                 self._model, self._inputs, self._cache, chunks, rungs=True

@@ -46,6 +46,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from trio_mlx.engine import true_positions
+from trio_mlx.engine.batch_prefill import can_group
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
 from trio_mlx.engine.decode_attention import install_dispatcher
@@ -158,6 +159,33 @@ def mixable(cache: list[Any], seq: BatchSequence) -> bool:
     if rows_kind not in (BatchKVCache, KVCache) or any(type(c) is not rows_kind for c in cache):
         return False
     return all(type(c) is KVCache for c in seq.cache)
+
+
+def choose_chunks(
+    waiting: Sequence[BatchSequence], cache: list[Any], limit: int, *, grouping: bool, step: int
+) -> list[tuple[BatchSequence, int]]:
+    """The waiting sequences whose next chunks ride in the decode pass, each with its limit, for
+    `limit` prompt tokens in all: the first not ready takes its chunk first, then the next ones
+    in admission order take what is left (a short prompt behind a long one is not held until
+    the long one is in), up to `MAX_CHUNKS`. None where the first cannot ride (it takes a chunk
+    of its own), or, with `grouping`, is a new short prompt that a group pass takes with its
+    companions (`batch_prefill.can_group`, prompts of at most `step` tokens)."""
+    pending = [s for s in waiting if not s.ready]
+    if not pending or not mixable(cache, pending[0]):
+        return []
+    head = pending[0]
+    if grouping and head.chunks_run == 0 and can_group(head, step):
+        return []
+    chunks: list[tuple[BatchSequence, int]] = []
+    budget = limit
+    for seq in pending:
+        if budget <= 0 or len(chunks) == MAX_CHUNKS:
+            break
+        if mixable(cache, seq):
+            n, padding = seq.next_chunk(budget, rungs=True)
+            chunks.append((seq, budget))
+            budget -= n + padding
+    return chunks
 
 
 def forward(
