@@ -98,7 +98,7 @@ def mixed_pass(
         job,
         model,
         vocab_size=int(model.args.vocab_size),
-        plan=PrefillPlan(size, min(64, size)),
+        plan=PrefillPlan(size, tail=min(64, size), block=min(64, size)),
         max_kv_size=None,
         cache=None,
         cached_tokens=0,
