@@ -112,7 +112,8 @@ class MixedLayer:
         for layer, (start, end), (k, v), chunk_mask in zip(
             self._chunk_layers, self._spans(), chunks_fetched, mask.chunks, strict=True
         ):
-            outputs.append(_attention(layer, queries[:, :, start:end, :], k, v, scale, chunk_mask))
+            chunk_queries = _own_layout(queries[:, :, start:end, :])
+            outputs.append(_attention(layer, chunk_queries, k, v, scale, chunk_mask))
         self._fetched = []
         return mx.concatenate(outputs, axis=2)
 
@@ -129,6 +130,16 @@ def _as_rows(x: Any, rows: int) -> Any:
     """The first `rows` tokens of a (1, heads, tokens, dim) array as `rows` one-token rows:
     (rows, heads, 1, dim)."""
     return x[:, :, :rows, :].transpose(2, 1, 0, 3)
+
+
+def _own_layout(queries: Any) -> Any:
+    """A chunk's queries, (1, heads, n, dim), sliced from the pass's, copied to a row-contiguous
+    array of their own. On MLX's CUDA backend the cuDNN attention graph is keyed by the queries'
+    strides as well as their shape: a slice keeps the whole pass's strides, which change with the
+    rows and the other chunks in it, so every new mix would build a graph of its own (50-150 ms),
+    none of them one that `prefill_shapes.warm_graphs` built (row-contiguous queries). A copy of
+    the chunk's queries, exact."""
+    return mx.contiguous(queries)
 
 
 def _attention(layer: Any, queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any:
