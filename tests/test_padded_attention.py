@@ -53,3 +53,34 @@ def test_a_padded_pass_over_a_batch_cache_masks_each_rows_left_padding(model: An
     plain = model(tokens, cache=merged)
     padded = padded_forward(model, tokens, again)
     assert mx.allclose(plain, padded, atol=1e-4).item()
+
+
+def test_through_the_dispatcher_the_views_attention_is_the_plain_one(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the attention dispatcher is installed (the batched route), a padded pass attends
+    through its views' own `attend` (row-contiguous queries, the layout whose cuDNN graphs are
+    warmed): still the plain pass's logits and cache."""
+    from trio_mlx.engine import padded_attention
+    from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
+    from trio_mlx.engine.decode_attention import install_dispatcher
+
+    install_dispatcher(COMPILABLE_MODULES)
+    calls = []
+    attend = padded_attention._PaddedView.attend
+
+    def counted(self: Any, *args: Any) -> Any:
+        calls.append(args[0].shape)
+        return attend(self, *args)
+
+    monkeypatch.setattr(padded_attention._PaddedView, "attend", counted)
+    tokens = mx.array([[11, 12, 13, 14, 15]], dtype=mx.uint32)
+    plain_cache, padded_cache = prefilled(model, 30), prefilled(model, 30)
+    plain = model(tokens, cache=plain_cache)
+    padded = padded_forward(model, tokens, padded_cache)
+    assert len(calls) == len(padded_cache) and all(shape[2] == 5 for shape in calls)
+    assert mx.allclose(plain, padded, atol=1e-4).item()
+    nxt = mx.array([[21, 22]], dtype=mx.uint32)
+    assert mx.allclose(
+        model(nxt, cache=plain_cache), padded_forward(model, nxt, padded_cache), atol=1e-4
+    ).item()

@@ -133,5 +133,15 @@ class _PaddedView:
     def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> Any:
         return self._mask
 
+    def attend(self, queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any:
+        """The attention over the buffer (reached through `decode_attention`'s dispatcher where
+        it is installed), with the queries row-contiguous: MLX's CUDA backend keys its cuDNN
+        graphs by the queries' strides too, and the layout a model's RoPE leaves them in is its
+        own, so the graph `prefill_shapes.warm_graphs` builds (row-contiguous queries) is the
+        one every padded pass of that shape finds. A copy where they are not already so."""
+        return mx.fast.scaled_dot_product_attention(
+            mx.contiguous(queries), keys, values, scale=scale, mask=mask
+        )
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)

@@ -55,6 +55,9 @@ LINEAR_WIDTHS_FROM = 8192
 #: Chunks whose keys would pass this many positions run plain (see the module docstring).
 PADDED_UP_TO = 32768
 
+#: mlx-lm's `KVCache` grows its buffers by this many positions.
+KV_STEP = 256
+
 #: `warm_graphs` stops once it has spent this many seconds.
 WARM_SECONDS = 20.0
 
@@ -138,10 +141,13 @@ def padded_prefill_agrees(model: Any, block: int) -> bool:
 
 def warm_graphs(model: Any, block: int, step: int, seconds: float = WARM_SECONDS) -> int:
     """Run once, at start, an attention of every shape a prefill chunk can take (`model`'s heads
-    and dtype; each rung of the ladder on a fresh cache, causal, and over each width bucket up to
-    `PADDED_UP_TO` keys, with an additive mask, as `padded_forward` gives it), so that cuDNN
-    builds their graphs before a request needs them; stop once `seconds` are spent. Returns how
-    many shapes ran (0 for a model whose shape `model_probe.attention_shape` cannot read).
+    and dtype; each rung of the ladder on a fresh cache, causal, its queries in either layout a
+    first chunk gives them, and over each width bucket up to `PADDED_UP_TO` keys, with an
+    additive mask, as `padded_forward` gives it), so that cuDNN builds their graphs before a
+    request needs them; stop once `seconds` are spent. Returns how many attentions ran (0 for a
+    model whose shape `model_probe.attention_shape` cannot read). cuDNN keys a graph by the
+    strides of the queries, keys and mask as well as their shapes: each is laid out here as the
+    passes lay it out.
 
     Why: on an H100 (8B bf16, 16 rows decoding, `bench.long_arrival`) a chunk at a shape new to
     the process took 65-135 ms where a known one took 15-22 ms, the running streams' slowest
@@ -164,16 +170,24 @@ def warm_graphs(model: Any, block: int, step: int, seconds: float = WARM_SECONDS
     mx.eval(list(buckets.values()))
     for rung in chunk_ladder(block, step):
         queries = mx.zeros((1, heads, rung, dims), dtype=dtype)
-        fresh = mx.zeros((1, kv_heads, rung, dims), dtype=dtype)
-        passes: list[tuple[Any, Any]] = [(fresh, "causal")]
+        # a first chunk: its keys the start of a fresh cache's buffer (mlx-lm's 256-position
+        # steps), its queries as the model's RoPE leaves them (a (1, rung, heads, dims) array
+        # transposed) or, in a mixed pass, row-contiguous (`mixed_step`)
+        buffer = mx.zeros((1, kv_heads, -(-rung // KV_STEP) * KV_STEP, dims), dtype=dtype)
+        fresh = buffer[..., :rung, :]
+        as_roped = mx.zeros((1, rung, heads, dims), dtype=dtype).swapaxes(1, 2)
+        passes: list[tuple[Any, Any, Any]] = [
+            (as_roped, fresh, "causal"),
+            (queries, fresh, "causal"),
+        ]
         for width, keys in buckets.items():
-            if width > rung:
-                passes.append((keys, mx.zeros((rung, width), dtype=dtype)))
-        for keys, mask in passes:
+            if width > rung:  # a padded chunk: row-contiguous queries (`_PaddedView.attend`)
+                passes.append((queries, keys, mx.zeros((rung, width), dtype=dtype)))
+        for chunk_queries, keys, mask in passes:
             if time.perf_counter() - began >= seconds:
                 return ran
             out = mx.fast.scaled_dot_product_attention(
-                queries, keys, keys, scale=dims**-0.5, mask=mask
+                chunk_queries, keys, keys, scale=dims**-0.5, mask=mask
             )
             mx.eval(out)
             ran += 1
