@@ -187,6 +187,12 @@ def main(argv: list[str]) -> dict[str, Any]:
         default=None,
         help="the pacer's budget for a chunk, in decode steps (default: the engine's)",
     )
+    parser.add_argument(
+        "--mixed-share",
+        type=float,
+        default=None,
+        help="the same for a chunk in the decode step's pass (TRIO_MLX_MIXED_STEP=on)",
+    )
     parser.add_argument("--deadline-s", type=float, default=120.0, help="per repeat")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/trio-mlx-bench"))
     parser.add_argument("--json", type=Path, default=None)
@@ -195,9 +201,12 @@ def main(argv: list[str]) -> dict[str, Any]:
 
     if args.decode_share is not None:
         scheduling.DEFAULT_DECODE_SHARE = args.decode_share
+    if args.mixed_share is not None:
+        scheduling.DEFAULT_MIXED_SHARE = args.mixed_share
     report: dict[str, Any] = {
         "command": " ".join(["python -m bench.long_arrival", *argv]),
         "decode_share": scheduling.DEFAULT_DECODE_SHARE,
+        "mixed_share": scheduling.DEFAULT_MIXED_SHARE,
     }
     for spec in args.models.split(","):
         loaded = load_model(resolve_subject(spec, args.workdir).path)

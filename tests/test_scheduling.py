@@ -135,7 +135,7 @@ def test_a_chunk_in_the_decode_pass_is_sized_by_what_it_adds_to_the_step() -> No
     """The 8B-like device: a chunk of its own costs 18 ms of fixed cost; riding in a 12 ms decode
     step's pass, 256 tokens added 6 ms. A 24 ms budget then takes twice them (the most it may
     grow at once), where a chunk of its own would have been cut to fit its fixed cost."""
-    pacer = PrefillPacer(max_tokens=4096, block=64, target_seconds=0.25)
+    pacer = PrefillPacer(max_tokens=4096, block=64, target_seconds=0.25, mixed_share=2.0)
     for tokens, seconds in ((64, 0.018), (256, 0.0195)):
         pacer.observe_chunk(tokens, seconds)
     pacer.observe_decode(0.012)
@@ -169,3 +169,20 @@ def test_a_step_that_carried_a_chunk_is_never_a_plain_steps_time() -> None:
     assert pacer.decode_step == pytest.approx(0.8 * 0.0074 + 0.2 * 0.008)
     _observe_step(pacer, 0.030, chunk, 0, False)  # read at once: its own chunk's cost
     assert pacer._mixed == (512, pytest.approx(0.030 - pacer.decode_step))
+
+
+def test_a_chunk_in_the_decode_pass_keeps_to_its_own_smaller_share() -> None:
+    """By default a chunk in the decode pass may add `DEFAULT_MIXED_SHARE` step times, less
+    than a chunk of its own's `decode_share`: with a 12 ms step, 15 ms, so 1,024 tokens that
+    added 48 ms are cut to 320 (whole blocks of 64), where a share of 2 (24 ms) gives 512."""
+    from trio_mlx.engine.scheduling import DEFAULT_DECODE_SHARE, DEFAULT_MIXED_SHARE
+
+    assert DEFAULT_MIXED_SHARE < DEFAULT_DECODE_SHARE
+    pacer = PrefillPacer(max_tokens=4096, block=64, target_seconds=0.25)
+    pacer.observe_decode(0.012)
+    assert pacer.budget_seconds(decoding=16, share=pacer.mixed_share) == 0.012 * DEFAULT_MIXED_SHARE
+    pacer.observe_mixed(1024, 0.048)
+    assert pacer.mixed_tokens(decoding=16) == int(1024 * 0.012 * DEFAULT_MIXED_SHARE / 0.048)
+    assert pacer.mixed_tokens(decoding=16) == 320
+    pacer.mixed_share = 2.0
+    assert pacer.mixed_tokens(decoding=16) == 512
