@@ -52,7 +52,7 @@ if [[ "$1" == long-arrival ]]; then
   done
   [[ -n "${NO_CHUNKS:-}" ]] && exit 0
   timeout -s INT 200 python3 -m bench.prefill_chunks --model "$model" --chunks 128,256,512 \
-    --variants bucketed,mixed --deadline-s 150 --out "$OUT/$stamp-$card-prefill-chunks-$name.json" \
+    --variants bucketed,mixed --warm --deadline-s 150 --out "$OUT/$stamp-$card-prefill-chunks-$name.json" \
     | tail -13 || true
   exit 0
 fi

@@ -25,7 +25,10 @@ evaluated and timed on its own:
   (`engine/mixed_step.py`, `TRIO_MLX_MIXED_STEP=on`): one pass a step, timed as the step.
 
 The first pass over the prompt is `cold` (shapes new to this process, for that variant and
-size), the second `warm` (every shape seen once). Reported per (variant, c, pass): the chunk's
+size; with `--warm`, after `prefill_shapes.warm_graphs` as the engine runs it when its batch
+starts, so what a first long prompt meets there), the second `warm` (every shape seen once).
+As on the engine's batched route, the attention dispatcher is installed (`decode_attention`:
+padded chunks attend through their views' `attend`). Reported per (variant, c, pass): the chunk's
 time p50 / p90 / max, its sum (the prompt's prefill time), the decode step's p50 / max beside
 it, and the gap the running rows see (chunk and step, or the mixed pass) p50 / max; plus the
 decode step alone before any chunk, the reference for a gap. Random weights: speed only.
@@ -50,9 +53,11 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from trio_mlx.actors.batch_loop import BATCH_CACHE_LIMIT
 from trio_mlx.engine import mixed_step
 from trio_mlx.engine.batch_sequence import BatchSequence
+from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+from trio_mlx.engine.decode_attention import install_dispatcher
 from trio_mlx.engine.padded_attention import padded_forward
-from trio_mlx.engine.prefill_shapes import key_width, reserve
+from trio_mlx.engine.prefill_shapes import key_width, reserve, warm_graphs
 from trio_mlx.types import SamplingParams
 
 
@@ -166,6 +171,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--width-block", type=int, default=1024)
+    parser.add_argument(
+        "--warm", action="store_true", help="warm_graphs first, as the engine at its start"
+    )
     parser.add_argument("--deadline-s", type=float, default=400.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -175,6 +183,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     model = build_synthetic(name)
     if "mixed" in args.variants.split(",") and not mixed_step.prepare(model):
         parser.error(f"{name} cannot take mixed passes (engine/mixed_step.py)")
+    install_dispatcher(COMPILABLE_MODULES)
+    sizes = [int(c) for c in args.chunks.split(",")]
+    warmed = warm_graphs(model, min(64, *sizes), max(sizes)) if args.warm else 0
     batch = batch_cache(model, args.batch, args.context)
     step_tokens = mx.zeros((args.batch, 1), dtype=mx.uint32)
     for _ in range(3):
@@ -193,11 +204,12 @@ def main(argv: list[str]) -> dict[str, Any]:
         "prompt_tokens": args.prompt_tokens,
         "width": width,
         "step_alone_p50_ms": 1e3 * statistics.median(alone),
+        "warmed_attentions": warmed,
         "runs": [],
         "skipped": [],
     }
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
-    for size in (int(c) for c in args.chunks.split(",")):
+    for size in sizes:
         for variant in args.variants.split(","):
             for which in ("cold", "warm"):
                 if time.perf_counter() - began > args.deadline_s:
