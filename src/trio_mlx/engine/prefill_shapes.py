@@ -55,9 +55,6 @@ LINEAR_WIDTHS_FROM = 8192
 #: Chunks whose keys would pass this many positions run plain (see the module docstring).
 PADDED_UP_TO = 32768
 
-#: mlx-lm's `KVCache` grows its buffers by this many positions.
-KV_STEP = 256
-
 #: `warm_graphs` stops once it has spent this many seconds.
 WARM_SECONDS = 20.0
 
@@ -173,7 +170,7 @@ def warm_graphs(model: Any, block: int, step: int, seconds: float = WARM_SECONDS
         # a first chunk: its keys the start of a fresh cache's buffer (mlx-lm's 256-position
         # steps), its queries as the model's RoPE leaves them (a (1, rung, heads, dims) array
         # transposed) or, in a mixed pass, row-contiguous (`mixed_step`)
-        buffer = mx.zeros((1, kv_heads, -(-rung // KV_STEP) * KV_STEP, dims), dtype=dtype)
+        buffer = mx.zeros((1, kv_heads, -(-rung // KVCache.step) * KVCache.step, dims), dtype=dtype)
         fresh = buffer[..., :rung, :]
         as_roped = mx.zeros((1, rung, heads, dims), dtype=dtype).swapaxes(1, 2)
         passes: list[tuple[Any, Any, Any]] = [
