@@ -115,7 +115,7 @@ def mixed_pass(
     while not seq.ready:
 
         def step() -> Any:
-            logits, _ = mixed_step.forward(model, inputs, batch, [(seq, size)], rungs=True)
+            logits, _ = mixed_step.forward(model, inputs, batch, [mixed_step.plan(seq, size)])
             return [mx.argmax(logits, axis=-1), *(c.state for c in seq.cache)]
 
         steps.append(timed(step))

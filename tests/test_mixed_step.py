@@ -296,9 +296,8 @@ def test_the_mixed_pass_gives_the_rows_their_logits_and_the_chunk_its_cache(
     ahead, starting = sequence(1, long), sequence(2, fresh)
     ahead.prefill_chunk(model, 16)
     rows = batch()
-    logits, done = mixed_step.forward(
-        model, inputs, rows, [(ahead, 16), (starting, 16)], rungs=False
-    )
+    chunks = [mixed_step.plan(seq, 16, rungs=False) for seq in (ahead, starting)]
+    logits, done = mixed_step.forward(model, inputs, rows, chunks)
     plain_rows = batch()
     expected = model(inputs[:, None], cache=plain_rows)[:, -1, :]
     assert [n for n, _ in done] == [16, 9] and (ahead.prompt_done, starting.prompt_done) == (32, 9)

@@ -336,17 +336,15 @@ class BatchDecoder:
         if not chunks:
             return None
         try:
-            logits, done = mixed_step.forward(
-                self._model, self._inputs, self._cache, chunks, rungs=True
-            )
+            logits, done = mixed_step.forward(self._model, self._inputs, self._cache, chunks)
         except Exception as exc:
-            for seq, _ in chunks:
-                self.waiting.remove(seq)
-                self._mixed.append(PrefillResult(seq, error=f"{type(exc).__name__}: {exc}"))
+            for chunk in chunks:
+                self.waiting.remove(chunk.seq)
+                self._mixed.append(PrefillResult(chunk.seq, error=f"{type(exc).__name__}: {exc}"))
             raise
-        for (seq, _), (n, points) in zip(chunks, done, strict=True):
-            seq.chunks_run += 1
-            self._mixed.append(PrefillResult(seq, n, points))
+        for chunk, (n, points) in zip(chunks, done, strict=True):
+            chunk.seq.chunks_run += 1
+            self._mixed.append(PrefillResult(chunk.seq, n, points))
         self.mixed_chunks += len(chunks)
         return logits
 

@@ -57,6 +57,23 @@ MAX_CHUNKS = 8
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """A waiting sequence's next chunk as a mixed pass takes it: `n` prompt tokens and the
+    `padding` that makes them whole blocks (`BatchSequence.next_chunk`), planned once."""
+
+    seq: BatchSequence
+    n: int
+    padding: int
+
+
+def plan(seq: BatchSequence, limit: int, *, rungs: bool = True) -> Chunk:
+    """`seq`'s next chunk of at most `limit` tokens (with `rungs`, on the ladder a pass beside
+    decoding rows takes)."""
+    n, padding = seq.next_chunk(limit, rungs=rungs)
+    return Chunk(seq, n, padding)
+
+
+@dataclass(frozen=True)
 class _Masks:
     """The parts' masks, as their plain passes would make them: the rows', then each chunk's."""
 
@@ -112,8 +129,10 @@ class MixedLayer:
         for layer, (start, end), (k, v), chunk_mask in zip(
             self._chunk_layers, self._spans(), chunks_fetched, mask.chunks, strict=True
         ):
-            chunk_queries = _own_layout(queries[:, :, start:end, :])
-            outputs.append(_attention(layer, chunk_queries, k, v, scale, chunk_mask))
+            chunk_queries = queries[:, :, start:end, :]
+            outputs.append(
+                _attention(layer, chunk_queries, k, v, scale, chunk_mask, own_layout=True)
+            )
         self._fetched = []
         return mx.concatenate(outputs, axis=2)
 
@@ -132,22 +151,30 @@ def _as_rows(x: Any, rows: int) -> Any:
     return x[:, :, :rows, :].transpose(2, 1, 0, 3)
 
 
-def _own_layout(queries: Any) -> Any:
-    """A chunk's queries, (1, heads, n, dim), sliced from the pass's, copied to a row-contiguous
-    array of their own. On MLX's CUDA backend the cuDNN attention graph is keyed by the queries'
-    strides as well as their shape: a slice keeps the whole pass's strides, which change with the
-    rows and the other chunks in it, so every new mix would build a graph of its own (50-150 ms),
-    none of them one that `prefill_shapes.warm_graphs` built (row-contiguous queries). A copy of
-    the chunk's queries, exact."""
-    return mx.contiguous(queries)
-
-
-def _attention(layer: Any, queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any:
+def _attention(
+    layer: Any,
+    queries: Any,
+    keys: Any,
+    values: Any,
+    scale: float,
+    mask: Any,
+    *,
+    own_layout: bool = False,
+) -> Any:
+    """`layer`'s attention: its own `attend` where it has one (a padded view, which copies the
+    queries row-contiguous itself; the batch cache's ragged attention), else MLX's, with
+    `own_layout` on queries copied row-contiguous first. A chunk's queries sliced from the pass
+    keep the whole pass's strides, and on MLX's CUDA backend the cuDNN attention graph is keyed
+    by the strides as well as the shape: those change with the rows and the other chunks in the
+    pass, so every new mix would build a graph of its own (50-150 ms), none of them one that
+    `prefill_shapes.warm_graphs` built (row-contiguous queries). The copy is exact."""
     attend = getattr(layer, "attend", None)
     if attend is not None:
         result = attend(queries, keys, values, scale, mask)
         if result is not None:
             return result
+    if own_layout:
+        queries = mx.contiguous(queries)
     return scaled_dot_product_attention(queries, keys, values, cache=layer, scale=scale, mask=mask)
 
 
@@ -174,12 +201,12 @@ def mixable(cache: list[Any], seq: BatchSequence) -> bool:
 
 def choose_chunks(
     waiting: Sequence[BatchSequence], cache: list[Any], limit: int, *, grouping: bool, step: int
-) -> list[tuple[BatchSequence, int]]:
-    """The waiting sequences whose next chunks ride in the decode pass, each with its limit, for
-    `limit` prompt tokens in all: the first not ready takes its chunk first, then the next ones
-    in admission order take what is left (a short prompt behind a long one is not held until
-    the long one is in), up to `MAX_CHUNKS`. None where the first cannot ride (it takes a chunk
-    of its own), or, with `grouping`, is a new short prompt that a group pass takes with its
+) -> list[Chunk]:
+    """The waiting sequences' next chunks that ride in the decode pass, `limit` prompt tokens in
+    all (padding counted): the first not ready takes its chunk first, then the next ones in
+    admission order take what is left (a short prompt behind a long one is not held until the
+    long one is in), up to `MAX_CHUNKS`. None where the first cannot ride (it takes a chunk of
+    its own), or, with `grouping`, is a new short prompt that a group pass takes with its
     companions (`batch_prefill.can_group`, prompts of at most `step` tokens)."""
     pending = [s for s in waiting if not s.ready]
     if not pending or not mixable(cache, pending[0]):
@@ -187,44 +214,35 @@ def choose_chunks(
     head = pending[0]
     if grouping and head.chunks_run == 0 and can_group(head, step):
         return []
-    chunks: list[tuple[BatchSequence, int]] = []
+    chunks: list[Chunk] = []
     budget = limit
     for seq in pending:
         if budget <= 0 or len(chunks) == MAX_CHUNKS:
             break
         if mixable(cache, seq):
-            n, padding = seq.next_chunk(budget, rungs=True)
-            chunks.append((seq, budget))
-            budget -= n + padding
+            chunk = plan(seq, budget)
+            chunks.append(chunk)
+            budget -= chunk.n + chunk.padding
     return chunks
 
 
 def forward(
-    model: Any,
-    inputs: Any,
-    cache: list[Any],
-    chunks: Sequence[tuple[BatchSequence, int]],
-    *,
-    rungs: bool,
+    model: Any, inputs: Any, cache: list[Any], chunks: Sequence[Chunk]
 ) -> tuple[Any, list[tuple[int, tuple[int, ...]]]]:
-    """One mixed pass: the rows' `inputs` (one token each) on the batch's `cache` and, for each
-    `(seq, limit)` of `chunks`, `seq`'s next chunk of at most `limit` tokens
-    (`BatchSequence.next_chunk`); return the rows' logits (rows, vocab), lazy, and per chunk the
-    prompt tokens it took and the store points it reached. The chunks' caches are written by the
-    same lazy graph (queued with the step)."""
+    """One mixed pass: the rows' `inputs` (one token each) on the batch's `cache` and the
+    planned `chunks` (`plan`, `choose_chunks`); return the rows' logits (rows, vocab), lazy, and
+    per chunk the prompt tokens it took and the store points it reached. The chunks' caches are
+    written by the same lazy graph (queued with the step)."""
     rows = int(inputs.shape[0])
     first = cache[0]
     row_positions = first.offset if type(first) is BatchKVCache else mx.array([first.offset])
     parts, positions, sizes, layers = [inputs.astype(mx.uint32)], [row_positions], [], []
-    planned: list[tuple[BatchSequence, int, int]] = []
-    for seq, limit in chunks:
-        n, padding = seq.next_chunk(limit, rungs=rungs)
+    for seq, n, padding in ((c.seq, c.n, c.padding) for c in chunks):
         tokens, seq_layers = seq.chunk_input(model, n, padding)
         parts.append(tokens.astype(mx.uint32))
         positions.append(mx.arange(seq.prompt_done, seq.prompt_done + n + padding))
         sizes.append(n + padding)
         layers.append(seq_layers)
-        planned.append((seq, n, padding))
     mixed = [
         MixedLayer(r, [seq_layers[i] for seq_layers in layers], rows, sizes)
         for i, r in enumerate(cache)
@@ -232,7 +250,7 @@ def forward(
     every = mx.concatenate([p.astype(mx.int32) for p in positions])
     with true_positions.token_positions(every):
         hidden = model.model(mx.concatenate(parts)[None], mixed)
-    done = [(n, seq.chunk_done(n, padding, evaluate=False)) for seq, n, padding in planned]
+    done = [(c.n, c.seq.chunk_done(c.n, c.padding, evaluate=False)) for c in chunks]
     return _head(model, hidden[0, :rows, :]), done
 
 
