@@ -132,22 +132,46 @@ def test_while_rows_decode_a_chunk_grows_along_the_line_of_the_last_one_that_fit
 
 
 def test_a_chunk_in_the_decode_pass_is_sized_by_what_it_adds_to_the_step() -> None:
-    """The 8B-like device: a chunk of its own costs 18 ms of fixed cost; riding in a 12 ms decode
-    step's pass, 256 tokens added 6 ms. A 24 ms budget then takes twice them (the most it may
-    grow at once), where a chunk of its own would have been cut to fit its fixed cost."""
+    """The 8B-like device: a chunk of its own costs 18 ms of fixed cost and ~7.8 µs a token;
+    riding in a 12 ms decode step's pass (a 24 ms budget at a share of 2) the first chunk aims
+    at half the budget by that slope. Then the costliest token of the last chunks sizes the
+    next, at most twice the largest of them: a chunk whose keys grew cuts it, one that seemed
+    to add nothing (the step's noise) does not grow it, and once the costly chunk has left the
+    window the chunks grow again."""
+    from trio_mlx.engine.scheduling import MIXED_FIRST_SHARE, MIXED_WINDOW
+
     pacer = PrefillPacer(max_tokens=4096, block=64, target_seconds=0.25, mixed_share=2.0)
     for tokens, seconds in ((64, 0.018), (256, 0.0195)):
         pacer.observe_chunk(tokens, seconds)
     pacer.observe_decode(0.012)
-    first = pacer.mixed_tokens(decoding=16)
-    assert first == pacer.chunk_tokens(decoding=16)  # nothing mixed yet: a chunk's own size
-    pacer.observe_mixed(256, 0.006)
+    assert pacer.per_token is not None
+    first = int(MIXED_FIRST_SHARE * 0.024 / pacer.per_token)
+    assert pacer.mixed_tokens(decoding=16) == first - first % 64 == 1472
+    pacer.observe_mixed(256, 0.006)  # 23 µs a token: 1,024 would fit, but twice 256 at most
     assert pacer.mixed_tokens(decoding=16) == 512
     pacer.observe_mixed(1024, 0.048)  # its keys grew: twice the budget
     assert pacer.mixed_tokens(decoding=16) == 512
-    pacer.observe_mixed(512, -0.001)  # within the step's noise: grows
-    assert pacer.mixed_tokens(decoding=16) == 1024
+    pacer.observe_mixed(512, -0.001)  # within the step's noise: no measure, no growth
+    assert pacer.mixed_tokens(decoding=16) == 512
+    for _ in range(MIXED_WINDOW - 1):
+        pacer.observe_mixed(512, 0.006)  # 12 µs a token
+    assert pacer.mixed_tokens(decoding=16) == 1024  # 2,048 would fit: twice 512 at most
     assert pacer.decode_step == 0.012  # a mixed step's time is not a plain step's
+
+
+def test_a_first_chunk_in_the_decode_pass_without_a_fitted_line_takes_the_rate() -> None:
+    """On the CPU the pacer has a rate, no line (a pass costs by its tokens): the first chunk in
+    a decode step's pass takes half its budget at that rate; with nothing measured at all,
+    `first_tokens`."""
+    from trio_mlx.engine.scheduling import DEFAULT_MIXED_SHARE, MIXED_FIRST_SHARE
+
+    pacer = PrefillPacer(max_tokens=4096, first_tokens=16)
+    assert pacer.mixed_tokens(decoding=4) == 16
+    pacer.observe_chunk(1000, 0.05)  # 20,000 tokens a second
+    pacer.observe_decode(0.004)
+    assert pacer.per_token is None
+    budget = DEFAULT_MIXED_SHARE * 0.004
+    assert pacer.mixed_tokens(decoding=4) == int(MIXED_FIRST_SHARE * budget * 20_000) == 50
 
 
 def test_a_step_that_carried_a_chunk_is_never_a_plain_steps_time() -> None:
@@ -161,14 +185,14 @@ def test_a_step_that_carried_a_chunk_is_never_a_plain_steps_time() -> None:
     pacer.observe_decode(0.0074)
     chunk = [PrefillResult(seq=None, prefilled=512)]  # type: ignore[arg-type]
     later = _observe_step(pacer, 0.080, chunk, 0, True)  # the first carried a chunk: 80 ms
-    assert later == 512 and pacer.decode_step == 0.0074 and pacer._mixed is None
+    assert later == 512 and pacer.decode_step == 0.0074 and not pacer._mixed
     later = _observe_step(pacer, 0.060, [], later, True)  # the next waits for that chunk
-    assert later == 0 and pacer._mixed == (512, pytest.approx(0.0526))
+    assert later == 0 and pacer._mixed[-1] == (512, pytest.approx(0.0526))
     assert pacer.decode_step == 0.0074
     _observe_step(pacer, 0.0080, [], 0, True)  # a plain step again
     assert pacer.decode_step == pytest.approx(0.8 * 0.0074 + 0.2 * 0.008)
     _observe_step(pacer, 0.030, chunk, 0, False)  # read at once: its own chunk's cost
-    assert pacer._mixed == (512, pytest.approx(0.030 - pacer.decode_step))
+    assert pacer._mixed[-1] == (512, pytest.approx(0.030 - pacer.decode_step))
 
 
 def test_a_chunk_in_the_decode_pass_keeps_to_its_own_smaller_share() -> None:

@@ -61,6 +61,14 @@ DEFAULT_DECODE_SHARE = 2.0
 #: p99 of ~2.1x their median).
 DEFAULT_MIXED_SHARE = 1.25
 
+#: Chunks in the decode step's pass whose cost sizes the next one (`PrefillPacer.mixed_tokens`).
+MIXED_WINDOW = 4
+
+#: The first chunk in a decode step's pass, before any has been measured, aims at this share of
+#: its budget: its cost there is only estimated, from chunks of their own (on the CPU, the tiny
+#: model's first such chunk, sized as a chunk of its own, added 12.7 ms to a 3.5 ms step).
+MIXED_FIRST_SHARE = 0.5
+
 
 @dataclass
 class PrefillPacer:
@@ -94,9 +102,11 @@ class PrefillPacer:
     _chunks: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=FIT_WINDOW), repr=False
     )
-    #: the last chunk that rode in a decode step's pass (`mixed_step`): its tokens and what the
-    #: step took past a plain one (None: none yet)
-    _mixed: tuple[int, float] | None = field(default=None, repr=False)
+    #: the last chunks that rode in a decode step's pass (`mixed_step`): their tokens and what
+    #: the step took past a plain one
+    _mixed: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=MIXED_WINDOW), repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.block < 1 or self.target_seconds <= 0:
@@ -139,22 +149,29 @@ class PrefillPacer:
     def mixed_tokens(self, decoding: int, waiting: int = 1) -> int:
         """Prompt tokens for a chunk that rides in the decode step's forward pass (`mixed_step`):
         its cost is what it adds to the step, its own arithmetic, with no pass's fixed cost of
-        its own. Under `mixed_share` step times (`budget_seconds`), scaled from the last
-        such chunk's cost (at most twice its tokens, fewer where it took longer than the
-        budget); before any, what a chunk of its own would take (`chunk_tokens`, which pays
-        the fixed cost as well: a safe first size)."""
-        if self._mixed is None:
-            return self.chunk_tokens(decoding, waiting)
-        tokens, seconds = self._mixed
+        its own. Under `mixed_share` step times (`budget_seconds`), at the highest cost per
+        token of the last `MIXED_WINDOW` such chunks (a prompt's chunks cost more as its keys
+        grow, and a step's time is noisy: one that happened to add little must not double the
+        next), at most twice the largest of them (a cost hidden in a launch-bound pass is no
+        measure). Before any: `MIXED_FIRST_SHARE` of the budget at the cost per token of chunks
+        of their own (the fitted line's slope, without its fixed cost, else the rate), or
+        `first_tokens` when nothing has been measured."""
         budget = self.budget_seconds(decoding, waiting, share=self.mixed_share)
-        grown = 2 * tokens if seconds <= 0 else min(2 * tokens, int(tokens * budget / seconds))
+        if not self._mixed:
+            if self.rate is None:
+                return self._whole_blocks(self.first_tokens)
+            per_token = self.per_token if self.per_token is not None else 1 / self.rate
+            return self._whole_blocks(int(MIXED_FIRST_SHARE * budget / per_token))
+        largest = max(tokens for tokens, _ in self._mixed)
+        costs = [seconds / tokens for tokens, seconds in self._mixed if seconds > 0]
+        grown = 2 * largest if not costs else min(2 * largest, int(budget / max(costs)))
         return self._whole_blocks(grown)
 
     def observe_mixed(self, tokens: int, seconds: float) -> None:
         """A chunk of `tokens` rode in a decode step, which took `seconds` longer than a plain
         one (`decode_step`)."""
         if tokens > 0:
-            self._mixed = (tokens, seconds)
+            self._mixed.append((tokens, seconds))
 
     def _proven(self, allowed: float) -> int:
         """The most tokens a chunk may take while sequences decode, from the largest of the last
