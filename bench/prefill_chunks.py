@@ -56,6 +56,7 @@ from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
 from trio_mlx.engine.decode_attention import install_dispatcher
+from trio_mlx.engine.mlx_cuda import keep_attention_graphs
 from trio_mlx.engine.padded_attention import padded_forward
 from trio_mlx.engine.prefill_shapes import key_width, reserve, warm_graphs
 from trio_mlx.types import SamplingParams
@@ -178,6 +179,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     began = time.perf_counter()
+    keep_attention_graphs()  # as a server process does (`SERVER_PROCESS_SETTINGS`)
     mx.set_cache_limit(BATCH_CACHE_LIMIT)
     name = args.model.removeprefix("synthetic:")
     model = build_synthetic(name)
