@@ -34,6 +34,7 @@ from typing import Any
 import trio
 from bench.models import resolve_subject
 
+from trio_mlx.actors.runner_protocol import StepRecord
 from trio_mlx.engine.loading import LoadedModel, load_model
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea, with many details."
@@ -47,21 +48,30 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def step_trace(
-    baseline: list[tuple[float, float, float, int | None]],
-    during: list[tuple[float, float, float, int | None]],
-) -> dict[str, Any]:
+def step_trace(baseline: list[StepRecord], during: list[StepRecord]) -> dict[str, Any]:
     """The runner's steps (`RunnerCounters.recent_steps`) while the long prompt was admitted:
     how many took over 3x the baseline's median step, and the slowest ones (ms: the step, its
-    decode, its prefill, steps since the last join)."""
-    median = statistics.median(s[0] for s in baseline) if baseline else float("nan")
-    slowest = sorted(during, reverse=True)[:6]
+    decode, its prefill; then steps since the last join, rows, prompt tokens in a chunk of their
+    own, and in the decode pass; with the previous step's prompt tokens in the pass, which a
+    pipelined step's wait mostly is)."""
+    median = statistics.median(s.seconds for s in baseline) if baseline else float("nan")
+    before = {id(s): during[i - 1] if i else None for i, s in enumerate(during)}
+    slowest = sorted(during, key=lambda s: s.seconds, reverse=True)[:6]
     return {
         "baseline_step_p50_ms": 1e3 * median,
         "steps_during": len(during),
-        "steps_over_3x": sum(s[0] > 3 * median for s in during),
+        "steps_over_3x": sum(s.seconds > 3 * median for s in during),
         "slowest_steps_ms": [
-            [round(1e3 * s[0], 1), round(1e3 * s[1], 1), round(1e3 * s[2], 1), s[3]]
+            [
+                round(1e3 * s.seconds, 1),
+                round(1e3 * s.decode, 1),
+                round(1e3 * s.prefill, 1),
+                s.since_join,
+                s.rows,
+                s.prompt_tokens,
+                s.mixed_tokens,
+                getattr(before[id(s)], "mixed_tokens", None),
+            ]
             for s in slowest
         ],
     }

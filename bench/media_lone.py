@@ -162,9 +162,9 @@ def install_tracing() -> None:
     traced(BatchDecoder, "decode", lambda s, r: "batch_decode")
     inner_note = RunnerCounters.note_step
 
-    def note_step(self: Any, seconds: float, *args: Any) -> None:
-        TRACE.append(("loop", time.perf_counter() - seconds, time.perf_counter(), 0, 0.0))
-        inner_note(self, seconds, *args)
+    def note_step(self: Any, step: Any) -> None:
+        TRACE.append(("loop", time.perf_counter() - step.seconds, time.perf_counter(), 0, 0.0))
+        inner_note(self, step)
 
     RunnerCounters.note_step = note_step  # type: ignore[method-assign]
 

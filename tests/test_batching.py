@@ -88,6 +88,13 @@ async def test_eight_prompts_in_one_batch_equal_each_alone(
         slowest = stats["runner"]["slowest_recent_step"]  # phases within the step's time
         assert slowest["seconds"] >= slowest["decode_s"] + slowest["prefill_s"] > 0
         assert slowest["steps_after_join"] in (None, *range(1, 12))  # one join, ten steps after
+        assert slowest["rows"] + slowest["prompt_tokens"] > 0 and slowest["mixed_tokens"] == 0
+        # every prompt token but each prompt's last went in a step's chunks (the last is fed
+        # by the first decode step), the eight prompts in one step with no row decoding yet
+        steps = list(engine._runner.counters.recent_steps)
+        prompts = sum(o.prompt_tokens - o.cached_tokens for o in outputs)
+        assert sum(s.prompt_tokens for s in steps) == prompts - 8
+        assert max(s.rows for s in steps) == 8 and steps[0].rows == 0
         await assert_idle(engine)
 
 

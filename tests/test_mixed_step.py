@@ -92,7 +92,11 @@ async def arrivals_during_a_decode(
                 await started.wait()
                 await on_mixed(engine, scopes)
         await assert_idle(engine)
-        return outputs, engine.get_stats()["runner"], scopes
+        runner = engine.get_stats()["runner"]
+        # the step records count the prompt tokens each step carried in its pass
+        steps = engine._runner.counters.recent_steps
+        runner["step_mixed_tokens"] = sum(s.mixed_tokens for s in steps)
+        return outputs, runner, scopes
 
 
 @pytest.mark.usefixtures("batch_pipeline")
@@ -117,6 +121,7 @@ async def test_chunks_in_the_decode_pass_give_every_request_its_tokens_alone(
     # most of the arrivals' prompt tokens rode in decode steps (the first arrival's first chunk
     # may come before its companions decode, and a chunk may find no row to ride with)
     assert runner["mixed_chunks"] >= 6, runner
+    assert runner["step_mixed_tokens"] >= runner["mixed_chunks"], runner  # a token a chunk at least
     # where a prompt's last chunk left some of the step's budget, the next prompt took it
     assert max(carried) >= 2, carried
 

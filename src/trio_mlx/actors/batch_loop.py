@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.media_lane import MediaLane
-from trio_mlx.actors.runner_protocol import AbortJob, ClearSnapshots, SequenceEvent
+from trio_mlx.actors.runner_protocol import AbortJob, ClearSnapshots, SequenceEvent, StepRecord
 from trio_mlx.engine.batch import BatchDecoder
 from trio_mlx.engine.batch_join import PrefillResult
 from trio_mlx.engine.batch_sequence import BatchSequence
@@ -131,6 +131,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             continue
         began = time.perf_counter()
         decode_seconds = prefill_seconds = 0.0
+        prompt_tokens = mixed_tokens = 0  # prefilled in chunks of their own / in the pass
         stores: _Stores = []
         rows = batch.decoding
         mixed: list[PrefillResult] = []  # a waiting prompt's chunk in the decode step's pass
@@ -209,6 +210,10 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 last = len(seq.job.prompt_tokens) - 1
                 for point in pre.store_points:
                     stores.append((seq, "prompt" if point == last else "system", point))
+            if mixed:
+                mixed_tokens = prefilled
+            else:
+                prompt_tokens = prefilled
             if grouped:
                 counters.prefill_groups += 1
                 counters.grouped_prefills += grouped
@@ -245,7 +250,17 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         counters.kv_bytes = batch.kv_bytes()
         seconds = time.perf_counter() - began
         counters.busy_seconds += seconds
-        counters.note_step(seconds, decode_seconds, prefill_seconds, since_join)
+        counters.note_step(
+            StepRecord(
+                seconds,
+                decode_seconds,
+                prefill_seconds,
+                since_join,
+                rows,
+                prompt_tokens,
+                mixed_tokens,
+            )
+        )
         since_join = 1 if joined else None if since_join is None else since_join + 1
         if batch.rows or not batch.waiting:
             held_since = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
@@ -80,6 +80,24 @@ Command = StartJob | AbortJob | ClearSnapshots
 RECENT_STEPS = 256
 
 
+class StepRecord(NamedTuple):
+    """One batched step, as `RunnerCounters.note_step` keeps it: `seconds` in all, `decode` and
+    `prefill` of them, `since_join` steps after the last join (1: the first step after one; its
+    decode reads the step queued before the join, so a join's own device work shows in the
+    second; None: no join yet), the `rows` it decoded, the `prompt_tokens` it prefilled in
+    chunks of their own and the `mixed_tokens` that rode in its decode pass (`mixed_step`;
+    pipelined, a step's wait is mostly the pass queued a step before: its chunk is the previous
+    record's)."""
+
+    seconds: float
+    decode: float
+    prefill: float
+    since_join: int | None
+    rows: int = 0
+    prompt_tokens: int = 0
+    mixed_tokens: int = 0
+
+
 @dataclass
 class RunnerCounters:
     """Written by the runner thread only; read by anyone (plain ints)."""
@@ -125,29 +143,28 @@ class RunnerCounters:
     #: requests with media started on mlx-vlm's drafted route (`multimodal.drafted`; either
     #: route, with `EngineConfig.mllm_draft_model`)
     media_drafted: int = 0
-    #: the batched route's last `RECENT_STEPS` steps: (seconds, of them decode, of them prefill,
-    #: steps since the last join or None), for `slowest_recent_step`
-    recent_steps: deque[tuple[float, float, float, int | None]] = dataclasses.field(
+    #: the batched route's last `RECENT_STEPS` steps, for `slowest_recent_step`
+    recent_steps: deque[StepRecord] = dataclasses.field(
         default_factory=lambda: deque(maxlen=RECENT_STEPS)
     )
 
-    def note_step(
-        self, seconds: float, decode: float, prefill: float, since_join: int | None
-    ) -> None:
-        """A batched step took `seconds` (`decode` and `prefill` of it), `since_join` steps after
-        the last join (1: the first step after one; its decode reads the step queued before the
-        join, so a join's own device work shows in the second)."""
-        self.recent_steps.append((seconds, decode, prefill, since_join))
+    def note_step(self, step: StepRecord) -> None:
+        """A batched step ended (`StepRecord`)."""
+        self.recent_steps.append(step)
 
     def slowest_recent_step(self) -> dict[str, Any] | None:
-        """The slowest of the recent steps, by phase (None: no step yet). Any thread."""
+        """The slowest of the recent steps, by phase, with its rows and prompt tokens (None: no
+        step yet). Any thread."""
         recent = list(self.recent_steps)  # one C-level copy under the GIL
         if not recent:
             return None
-        seconds, decode, prefill, since_join = max(recent)
+        step = max(recent, key=lambda s: s.seconds)
         return {
-            "seconds": seconds,
-            "decode_s": decode,
-            "prefill_s": prefill,
-            "steps_after_join": since_join,
+            "seconds": step.seconds,
+            "decode_s": step.decode,
+            "prefill_s": step.prefill,
+            "steps_after_join": step.since_join,
+            "rows": step.rows,
+            "prompt_tokens": step.prompt_tokens,
+            "mixed_tokens": step.mixed_tokens,
         }
