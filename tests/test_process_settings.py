@@ -1,9 +1,11 @@
 """Opening an engine leaves the host process as it found it unless the caller asks: the GIL
-switch interval and MLX's CUDA attention-graph cache variable are process-wide, so only an
-explicit `EngineConfig` option (which `trio-mlx serve` sets) changes them."""
+switch interval, MLX's CUDA attention-graph cache variable and the garbage collector's frozen
+objects are process-wide, so only an explicit `EngineConfig` option (which `trio-mlx serve`
+sets) changes them."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -22,10 +24,12 @@ async def test_opening_an_engine_changes_nothing_process_wide_by_default(
 ) -> None:
     monkeypatch.delenv(VARIABLE, raising=False)
     interval = sys.getswitchinterval()
+    frozen = gc.get_freeze_count()
     async with trio_mlx.open_engine(tiny_model_dir) as engine:
         await engine.generate("Once", max_tokens=2, temperature=0)
         assert VARIABLE not in os.environ
         assert sys.getswitchinterval() == interval
+        assert gc.get_freeze_count() == frozen
 
 
 async def test_the_process_settings_apply_when_asked_and_the_interval_is_put_back(
@@ -43,6 +47,21 @@ async def test_the_process_settings_apply_when_asked_and_the_interval_is_put_bac
     monkeypatch.setenv(VARIABLE, "7")  # a value the environment sets wins
     async with trio_mlx.open_engine(tiny_model_dir, cuda_sdpa_graph_cache=1024):
         assert os.environ[VARIABLE] == "7"
+
+
+async def test_a_frozen_collector_scans_only_what_requests_create_and_is_thawed_on_close(
+    tiny_model_dir: Path,
+) -> None:
+    """With `freeze_gc` the objects alive once the model is loaded (its modules, the tokenizer)
+    are in the permanent generation while the engine serves: a full collection no longer
+    scans them, and a request still runs; on close they come back."""
+    assert gc.get_freeze_count() == 0
+    async with trio_mlx.open_engine(tiny_model_dir, freeze_gc=True) as engine:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # the libraries, the model, the tokenizer
+        out = await engine.generate("Once", max_tokens=3, temperature=0)
+        assert len(out.tokens) == 3
+    assert gc.get_freeze_count() == 0
 
 
 def test_the_server_asks_for_them() -> None:

@@ -10,6 +10,7 @@ with `finish_reason="abort"`), then the runner thread stops at its next step bou
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -45,7 +46,8 @@ async def serve_engine(
 
     `config` are `EngineConfig` fields. `loader` turns the model spec into a loaded model (tests
     use it to wrap the model). A model that cannot be loaded raises before `started`. Nothing
-    process-wide changes unless `config` asks (`gil_switch_interval`, `cuda_sdpa_graph_cache`).
+    process-wide changes unless `config` asks (`gil_switch_interval`, `cuda_sdpa_graph_cache`,
+    `freeze_gc`).
     """
     cfg = EngineConfig(model=model, **config)
     if cfg.cuda_sdpa_graph_cache is not None:
@@ -104,8 +106,9 @@ async def _serve(
             runner.use_prefix_cache(kv_cache)
             engine = Engine(cfg, runner, admission, info, kv_cache)
             try:
-                task_status.started(engine)
-                await trio.sleep_forever()
+                with _frozen_gc(cfg.freeze_gc):
+                    task_status.started(engine)
+                    await trio.sleep_forever()
             finally:
                 engine.close()
                 nursery.cancel_scope.cancel()
@@ -130,6 +133,23 @@ def _kv_cache_manager(cfg: EngineConfig, info: ModelInfo) -> KVCacheManager:
         weights_bytes=info.weights_bytes,
         exact_prompt_limit=info.exact_prompt_limit,
     )
+
+
+@contextmanager
+def _frozen_gc(freeze: bool) -> Iterator[None]:
+    """With `freeze` (`EngineConfig.freeze_gc`), the objects alive once the model is loaded go
+    to the cyclic collector's permanent generation while the engine serves (`gc.freeze`), so
+    its full passes, which stop every thread, scan only what requests create; put back on
+    exit (`gc.unfreeze`: whatever was frozen meanwhile, by anyone, comes back with them)."""
+    if not freeze:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextmanager
