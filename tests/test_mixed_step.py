@@ -319,3 +319,37 @@ def test_the_mixed_pass_gives_the_rows_their_logits_and_the_chunk_its_cache(
                 assert mx.allclose(got[..., :held, :], want[..., :held, :], atol=1e-4).item()
     for mixed_layer, plain_layer in zip(rows, plain_rows, strict=True):
         assert mx.allclose(mixed_layer.keys, plain_layer.keys, atol=1e-5).item()
+
+
+@pytest.mark.parametrize(
+    ("padded", "chosen", "expected"),
+    [(True, None, True), (False, None, False), (True, "off", False), (False, "on", True)],
+)
+def test_chunks_ride_in_the_decode_pass_by_default_where_prefill_chunks_are_padded(
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    padded: bool,
+    chosen: str | None,
+    expected: bool,
+) -> None:
+    """By default the decode pass carries the chunks where the batch pads its prefill chunks to
+    recurring shapes (MLX's CUDA backend, measured to pay there), not elsewhere (the CPU);
+    `TRIO_MLX_MIXED_STEP=on|off` decides instead where set."""
+    from mlx_lm import load
+
+    from trio_mlx.engine.decode import PrefillPlan
+
+    monkeypatch.setattr(BatchDecoder, "mixed_prefill", None)
+    if chosen is None:
+        monkeypatch.delenv("TRIO_MLX_MIXED_STEP", raising=False)
+    else:
+        monkeypatch.setenv("TRIO_MLX_MIXED_STEP", chosen)
+    model, _ = load(str(tiny_model_dir))
+    decoder = BatchDecoder(
+        model,
+        frozenset(),
+        vocab_size=int(model.args.vocab_size),
+        plan=PrefillPlan(STEP, tail=BLOCK, block=BLOCK),
+        padded_prefill=padded,
+    )
+    assert decoder.mixing is expected

@@ -120,8 +120,11 @@ class BatchDecoder:
     #: only the columns they use (`ragged_attention`); False: every row over the whole width
     ragged_attention = True
     #: waiting prompts' next chunks ride in the decode step's forward pass (`mixed_step`,
-    #: `decode`'s `mix`). None: `TRIO_MLX_MIXED_STEP=on` (off by default: not yet measured on a
-    #: GPU, where it is meant to pay)
+    #: `decode`'s `mix`). None: where it was measured to pay, with the prefill chunks' recurring
+    #: shapes (MLX's CUDA backend: on an H100's 8B, 16 streams' gaps while an 8,000-token prompt
+    #: was admitted, p50 14 ms against 26 with the chunks apart, p99 59-64 against 70-78;
+    #: docs/benchmarks), not on the CPU, where a pass has no fixed cost to share;
+    #: `TRIO_MLX_MIXED_STEP=on|off` decides instead where set. True / False: on / off
     mixed_prefill: bool | None = None
 
     def __init__(
@@ -176,7 +179,8 @@ class BatchDecoder:
         self.deferred_joins = 0
         mixing = self.mixed_prefill
         if mixing is None:
-            mixing = os.environ.get("TRIO_MLX_MIXED_STEP", "off").lower() == "on"
+            chosen = os.environ.get("TRIO_MLX_MIXED_STEP", "").lower()
+            mixing = chosen == "on" if chosen in ("on", "off") else self._padded_prefill
         #: decode steps can carry a prefill chunk (`mixed_step`: on and the model takes it)
         self.mixing = bool(mixing) and compiled is None and mixed_step.prepare(model)
         #: prefill chunks that rode in a decode step, and those of the last `decode` (taken by
