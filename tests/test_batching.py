@@ -295,6 +295,56 @@ async def test_kv_memory_budget_queues_instead_of_crashing(tiny_model_dir: Path)
         assert (await engine.generate("Hello", max_tokens=4)).completion_tokens == 4
 
 
+async def test_a_long_request_waits_until_the_batch_padded_to_its_width_fits(
+    tiny_model_dir: Path,
+) -> None:
+    """The batch pads every row to its longest: with two short requests running, a long one
+    whose own limit fits the budget beside theirs (256 + 256 + 768 of 1,500 positions) would
+    make three rows of 768 (2,304), so it waits, a slot free, until it fits (alone), then runs;
+    the short ones run to their end undisturbed."""
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=4, kv_memory_bytes=1, admission="wait", max_waiting=4
+    ) as engine:
+        book = engine._admission.book
+        book.account_kv(1500 * book.kv_bytes_per_token, book.kv_bytes_per_token)
+        long_prompt = list(range(100, 700))  # 600 tokens: 768 positions with 4 to generate
+        results: dict[str, Any] = {}
+
+        async def long_one() -> None:
+            results["long"] = await engine.generate(long_prompt, max_tokens=4, temperature=0)
+
+        short = engine.prepare_generate("Hi", max_tokens=20, temperature=0)
+        going = trio.Semaphore(0)
+        release = trio.Event()
+
+        async def short_one() -> None:
+            async with engine.open_stream(short) as stream:
+                held = False
+                async for out in stream:
+                    if not held:  # held at its first output until the long one is seen waiting
+                        held = True
+                        going.release()
+                        await release.wait()
+                    if out.finished:
+                        results.setdefault("short", []).append(out.completion_tokens)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(short_one)
+            nursery.start_soon(short_one)
+            await going.acquire()
+            await going.acquire()
+            nursery.start_soon(long_one)
+            await eventually(lambda: engine.get_stats()["waiting"] == 1)
+            stats = engine.get_stats()
+            assert stats["running"] == 2 and stats["memory_waits"] >= 1
+            assert stats["kv_reserved_bytes"] == 2 * 256 * book.kv_bytes_per_token
+            assert "long" not in results
+            release.set()
+        assert results["short"] == [20, 20]
+        assert results["long"].completion_tokens == 4
+        await assert_idle(engine)
+
+
 class ForcingProcessor:
     """Forces `token` for its first `lifetime` calls, then retires (records what it was shown)."""
 

@@ -106,6 +106,23 @@ def test_admission_queues_on_kv_memory_even_with_free_slots() -> None:
     assert book.statistics().memory_waits == 1
 
 
+def test_admission_counts_every_row_at_the_widest_ones_limit() -> None:
+    """The batch pads its rows to the longest: two short requests and a long one whose own
+    limits sum to 800 of a 1,000 budget would hold 3 x 600 once the long one joined, so it
+    waits until it fits (here, alone) although a slot is free."""
+    book = AdmissionBook(slots=4, mode="wait", max_waiting=2)
+    book.account_kv(1000, 1)
+    assert book.try_admit(1, 100) and book.try_admit(2, 100)
+    assert book.kv_footprint() == 200 and book.kv_footprint(600) == 1800
+    assert not book.try_admit(3, 600)
+    waiter = book.enqueue(3, 600)
+    book.release(1)
+    assert not waiter.granted  # 2 x 600 still over
+    book.release(2)
+    assert waiter.granted and book.statistics().kv_reserved_bytes == 600
+    assert not book.try_admit(4, 100)  # beside it a short row is padded to 600 too: 1,200
+
+
 def test_a_request_larger_than_the_budget_runs_alone() -> None:
     book = AdmissionBook(slots=4, mode="fail-fast")
     book.account_kv(1000, 1)

@@ -42,7 +42,8 @@ class AdmissionStats:
     wait_timeouts: int
     #: request id -> seconds it has held its slot
     holders: dict[int, float]
-    #: KV memory reserved by the running requests at their token limits, and the budget (0: none)
+    #: KV memory reserved by the running requests at their token limits, every row at the widest
+    #: one's (`AdmissionBook.kv_footprint`), and the budget (0: none)
     kv_reserved_bytes: int = 0
     kv_budget_bytes: int = 0
     #: requests refused or queued because the KV budget was spent (not the slots)
@@ -90,17 +91,31 @@ class AdmissionBook:
         self._mean_hold = 1.0
 
     def account_kv(self, budget_bytes: int, bytes_per_token: int) -> None:
-        """Admit requests only while the running ones' KV caches, each at its token limit, fit
-        in `budget_bytes` (a request alone is always admitted)."""
+        """Admit requests only while the running ones' KV caches, each at the token limit of the
+        widest of them, fit in `budget_bytes` (a request alone is always admitted;
+        `kv_footprint` says why the widest)."""
         self.kv_budget = max(0, budget_bytes)
         self.kv_bytes_per_token = max(0, bytes_per_token)
+
+    def kv_footprint(self, kv_bytes: int | None = None) -> int:
+        """The running requests' KV memory at their limits, with one more of `kv_bytes` if
+        given: every row at the widest one's. The decode batch keeps its rows in one buffer a
+        layer, left-padded to its longest row (mlx-lm's `BatchKVCache`, `batch_layout`), so a
+        row costs what the widest does: on an 8B model an 8,000-token request joining 16 short
+        ones holds 17 rows of 8,000 positions, 18 GB, where their own caches hold 1.1 GB. A
+        sum of each request's own limit would let one long request among many short ones past
+        the budget, and the join would run the device out of memory."""
+        limits = list(self._reserved.values())
+        if kv_bytes is not None:
+            limits.append(kv_bytes)
+        return len(limits) * max(limits, default=0)
 
     def _fits(self, kv_bytes: int) -> bool:
         if len(self._running) >= self.slots:
             return False
         if not self.kv_budget or not self._running:
             return True
-        return sum(self._reserved.values()) + kv_bytes <= self.kv_budget
+        return self.kv_footprint(kv_bytes) <= self.kv_budget
 
     def try_admit(self, request_id: int, kv_bytes: int = 0) -> bool:
         """Take a free slot for `request_id` if there is one, its KV memory fits and nobody is
@@ -181,7 +196,7 @@ class AdmissionBook:
             busy_rejections=self.busy_rejections,
             wait_timeouts=self.wait_timeouts,
             holders={rid: now - t for rid, t in self._running.items()},
-            kv_reserved_bytes=sum(self._reserved.values()),
+            kv_reserved_bytes=self.kv_footprint(),
             kv_budget_bytes=self.kv_budget,
             memory_waits=self.memory_waits,
         )
