@@ -47,7 +47,7 @@ if [[ "$1" == long-arrival ]]; then
   # decode step's pass (`engine/mixed_step.py`), one process each; then the two passes apart.
   for mixed in ${MIXED:-off on}; do
     TRIO_MLX_MIXED_STEP=$mixed timeout -s INT 200 python3 -m bench.long_arrival --models "$model" \
-      --streams 16 --prompt-tokens 8000 --repeats 3 --long-max-tokens 64 --workdir "$WORK" \
+      --streams 16 --prompt-tokens 8000 --repeats 3 --long-max-tokens 64 --trace-chunks --workdir "$WORK" \
       --json "$OUT/$stamp-$card-long-arrival-$name-mixed-$mixed.json" | tail -4 || true
   done
   [[ -n "${NO_CHUNKS:-}" ]] && exit 0

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from bench import chunk_trace
 from bench.models import resolve_subject
 
 from trio_mlx.actors.runner_protocol import StepRecord
@@ -170,6 +171,9 @@ async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -
                     "slowest_recent_step": engine.get_stats()["runner"]["slowest_recent_step"],
                     **step_trace(base_steps, during_steps),
                 }
+                if args.trace_chunks:
+                    threshold = 3 * result["baseline_step_p50_ms"] / 1e3
+                    result["slow_steps"] = chunk_trace.slow_steps(arrived, first, threshold)
     if not result:
         raise SystemExit(f"deadline of {args.deadline_s} s passed before the long prompt ended")
     return result
@@ -192,6 +196,13 @@ def main(argv: list[str]) -> dict[str, Any]:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--trace-chunks",
+        action="store_true",
+        help="each step over 3x the baseline's median while the long prompt prefilled, with the "
+        "chunks it and the step before carried and whether their shapes were new "
+        "(bench/chunk_trace.py): slow_steps",
+    )
+    parser.add_argument(
         "--decode-share",
         type=float,
         default=None,
@@ -208,6 +219,9 @@ def main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     from trio_mlx.engine import scheduling
+
+    if args.trace_chunks:
+        chunk_trace.install()
 
     if args.decode_share is not None:
         scheduling.DEFAULT_DECODE_SHARE = args.decode_share
