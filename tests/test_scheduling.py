@@ -151,19 +151,19 @@ def test_while_rows_decode_a_chunk_grows_along_the_line_of_the_last_one_that_fit
 def test_a_chunk_in_the_decode_pass_is_sized_by_what_it_adds_to_the_step() -> None:
     """The 8B-like device: a chunk of its own costs 18 ms of fixed cost and ~7.8 µs a token;
     riding in a 12 ms decode step's pass (a 24 ms budget at a share of 2) the first chunk aims
-    at half the budget by that slope. Then the costliest token of the last chunks sizes the
-    next, at most twice the largest of them: a chunk whose keys grew cuts it, one that seemed
-    to add nothing (the step's noise) does not grow it, and once the costly chunk has left the
-    window the chunks grow again."""
-    from trio_mlx.engine.scheduling import MIXED_FIRST_SHARE, MIXED_WINDOW
+    at half the budget by that slope, but at most `MIXED_FIRST_TOKENS`. Then the costliest
+    token of the last chunks sizes the next, at most twice the largest of them: a chunk whose
+    keys grew cuts it, one that seemed to add nothing (the step's noise) does not grow it, and
+    once the costly chunk has left the window the chunks grow again."""
+    from trio_mlx.engine.scheduling import MIXED_FIRST_SHARE, MIXED_FIRST_TOKENS, MIXED_WINDOW
 
     pacer = PrefillPacer(max_tokens=4096, block=64, target_seconds=0.25, mixed_share=2.0)
     for tokens, seconds in ((64, 0.018), (256, 0.0195)):
         pacer.observe_chunk(tokens, seconds)
     pacer.observe_decode(0.012)
     assert pacer.per_token is not None
-    first = int(MIXED_FIRST_SHARE * 0.024 / pacer.per_token)
-    assert pacer.mixed_tokens(decoding=16) == first - first % 64 == 1472
+    assert int(MIXED_FIRST_SHARE * 0.024 / pacer.per_token) == 1535  # by that slope...
+    assert pacer.mixed_tokens(decoding=16) == MIXED_FIRST_TOKENS == 128  # ... at most 128
     pacer.observe_mixed(256, 0.006)  # 23 µs a token: 1,024 would fit, but twice 256 at most
     assert pacer.mixed_tokens(decoding=16) == 512
     pacer.observe_mixed(1024, 0.048)  # its keys grew: twice the budget
