@@ -44,9 +44,12 @@ ARRIVING = {"max_tokens": 8, "temperature": 0.0}
 @pytest.fixture(autouse=True)
 def mixing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(BatchDecoder, "mixed_prefill", True)
-    # chunks of the whole step while rows decode: the arrivals are in well before the running
-    # stream ends (the tiny model's step is a few ms on this CPU)
+    # chunks of the whole step while rows decode, apart or in the pass: the arrivals are in well
+    # before the running stream ends (the tiny model's step is a few ms on this CPU), and the
+    # chunks' sizes do not hang on this machine's timing
     monkeypatch.setattr(scheduling, "DEFAULT_DECODE_SHARE", 1000.0)
+    monkeypatch.setattr(scheduling, "DEFAULT_MIXED_SHARE", 1000.0)
+    monkeypatch.setattr(scheduling, "MIXED_FIRST_TOKENS", STEP)
 
 
 async def alone(model_dir: Path, eos: list[int]) -> dict[int, list[int]]:
