@@ -54,13 +54,17 @@ async def test_a_frozen_collector_scans_only_what_requests_create_and_is_thawed_
 ) -> None:
     """With `freeze_gc` the objects alive once the model is loaded (its modules, the tokenizer)
     are in the permanent generation while the engine serves: a full collection no longer
-    scans them, and a request still runs; on close they come back."""
+    scans them, and a request still runs; a second such engine closing first leaves them
+    frozen for the first; the last one closing thaws them."""
     assert gc.get_freeze_count() == 0
     async with trio_mlx.open_engine(tiny_model_dir, freeze_gc=True) as engine:
         frozen = gc.get_freeze_count()
         assert frozen > 10_000  # the libraries, the model, the tokenizer
         out = await engine.generate("Once", max_tokens=3, temperature=0)
         assert len(out.tokens) == 3
+        async with trio_mlx.open_engine(tiny_model_dir, freeze_gc=True):
+            assert gc.get_freeze_count() >= frozen
+        assert gc.get_freeze_count() >= frozen  # the first still serves
     assert gc.get_freeze_count() == 0
 
 

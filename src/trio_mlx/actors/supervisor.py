@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
@@ -135,21 +136,33 @@ def _kv_cache_manager(cfg: EngineConfig, info: ModelInfo) -> KVCacheManager:
     )
 
 
+#: engines serving with `freeze_gc` in this process (`_frozen_gc`), under its lock
+_freezers = 0
+_freezers_lock = threading.Lock()
+
+
 @contextmanager
 def _frozen_gc(freeze: bool) -> Iterator[None]:
     """With `freeze` (`EngineConfig.freeze_gc`), the objects alive once the model is loaded go
     to the cyclic collector's permanent generation while the engine serves (`gc.freeze`), so
-    its full passes, which stop every thread, scan only what requests create; put back on
-    exit (`gc.unfreeze`: whatever was frozen meanwhile, by anyone, comes back with them)."""
+    its full passes, which stop every thread, scan only what requests create. The last such
+    engine to close puts them back (`gc.unfreeze` thaws everything frozen, so not while
+    another engine of the process still serves frozen)."""
+    global _freezers
     if not freeze:
         yield
         return
     gc.collect()
     gc.freeze()
+    with _freezers_lock:
+        _freezers += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _freezers_lock:
+            _freezers -= 1
+            if not _freezers:
+                gc.unfreeze()
 
 
 @contextmanager
