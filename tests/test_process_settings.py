@@ -63,8 +63,9 @@ async def test_a_frozen_collector_scans_only_what_requests_create_and_is_thawed_
         out = await engine.generate("Once", max_tokens=3, temperature=0)
         assert len(out.tokens) == 3
         async with trio_mlx.open_engine(tiny_model_dir, freeze_gc=True):
-            assert gc.get_freeze_count() >= frozen
-        assert gc.get_freeze_count() >= frozen  # the first still serves
+            assert gc.get_freeze_count() > 10_000
+        # the first still serves: still frozen (but for the few objects freed since)
+        assert gc.get_freeze_count() > 10_000
     assert gc.get_freeze_count() == 0
 
 
