@@ -124,6 +124,10 @@ class EngineConfig:
     - `cuda_sdpa_graph_cache`: before the model loads, set `MLX_CUDA_SDPA_CACHE_SIZE` to this
       unless the environment already sets it: how many cuDNN attention graphs MLX's CUDA
       backend keeps (`engine/mlx_cuda.py` says why 1,024). None (the default): left alone.
+    - `cuda_graphs`: before the model loads, set `MLX_USE_CUDA_GRAPHS` (1 or 0) unless the
+      environment already sets it: MLX's CUDA graphs make one stream faster and a batch of
+      many slower (`mlx_cuda.use_cuda_graphs` has the figures). None (the default, also for
+      `trio-mlx serve`): left alone, MLX's default (on).
     - `freeze_gc`: once the model is loaded, collect and then freeze the objects alive then
       (`gc.freeze`: the model's modules, the tokenizer, the libraries), so that the cyclic
       collector's full passes scan only what requests create. A full pass over an engine
@@ -152,6 +156,7 @@ class EngineConfig:
     dequantize_from_rows: int | None = None
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None
+    cuda_graphs: bool | None = None
     freeze_gc: bool = False
     force_mllm: bool = False
     mllm_draft_model: str | Path | None = None
@@ -212,6 +217,8 @@ class EngineConfig:
             raise ValueError("dequantize_from_rows must be an integer >= 0 (0: off) or None")
         if self.cuda_sdpa_graph_cache is not None and self.cuda_sdpa_graph_cache < 1:
             raise ValueError("cuda_sdpa_graph_cache must be >= 1 (or None)")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True, False or None, not {self.cuda_graphs!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 0:

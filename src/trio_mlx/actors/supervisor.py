@@ -31,7 +31,7 @@ from trio_mlx.config import EngineConfig
 from trio_mlx.engine.batch_sizing import default_max_num_seqs, device_memory_bytes
 from trio_mlx.engine.kv_snapshots import SnapshotSupport
 from trio_mlx.engine.loading import load_model
-from trio_mlx.engine.mlx_cuda import keep_attention_graphs
+from trio_mlx.engine.mlx_cuda import keep_attention_graphs, use_cuda_graphs
 from trio_mlx.engine.specprefill import SpecPrefillSettings
 from trio_mlx.errors import EngineCrashed
 
@@ -48,11 +48,13 @@ async def serve_engine(
     `config` are `EngineConfig` fields. `loader` turns the model spec into a loaded model (tests
     use it to wrap the model). A model that cannot be loaded raises before `started`. Nothing
     process-wide changes unless `config` asks (`gil_switch_interval`, `cuda_sdpa_graph_cache`,
-    `freeze_gc`).
+    `cuda_graphs`, `freeze_gc`).
     """
     cfg = EngineConfig(model=model, **config)
     if cfg.cuda_sdpa_graph_cache is not None:
         keep_attention_graphs(cfg.cuda_sdpa_graph_cache)
+    if cfg.cuda_graphs is not None:
+        use_cuda_graphs(cfg.cuda_graphs)
     with _gil_switch_interval(cfg.gil_switch_interval):
         await _serve(cfg, loader, task_status)
 

@@ -22,3 +22,33 @@ def keep_attention_graphs(count: int = SDPA_GRAPH_CACHE) -> None:
     has no effect.
     """
     os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", str(count))
+
+
+#: MLX's switch for its CUDA graphs (read once per process; MLX's default: on).
+GRAPHS_VARIABLE = "MLX_USE_CUDA_GRAPHS"
+
+
+def use_cuda_graphs(enabled: bool) -> None:
+    """Whether MLX's CUDA backend records the kernels it launches into CUDA graphs and replays
+    them (`MLX_USE_CUDA_GRAPHS`, on by MLX's default; an environment variable: process-wide,
+    the engine calls this only when `EngineConfig.cuda_graphs` asks). A value already in the
+    environment wins; elsewhere than CUDA it has no effect.
+
+    Graphs help one stream and cost a batch. MLX captures every ~100 kernels into a graph and
+    keeps the graphs by their topology: a graph seen before is updated in place, another built
+    anew. A lone stream's step repeats, and replaying saves a launch per kernel; a batched
+    step's graphs change with its rows, their lengths and the prefill chunks in its pass, and
+    building and updating them cost the host more than the launches they save. Measured on an
+    H100 (`bench.compare`, engine in-process, 128-token prompts, 256 tokens, graphs on and off
+    alternated in four processes): at 16 streams the 1B bf16 shape's aggregate was 1,984 and
+    2,640 tok/s without graphs against 1,571 and 1,901 with them (8B bf16, one process each:
+    1,218 against 944); one stream decoded at 248-259 tok/s without against 306-426 with
+    (8B: 139 against 162). An 8,000-token prompt admitted beside 16 decoding streams on the 8B
+    (`bench.long_arrival`): the running streams' ITL p99 over their plain median was 3.0-3.1
+    without graphs in the repeats after the first, 5.4-7.3 with them.
+
+    MLX reads the setting once, at the process's first graph (any evaluation on the GPU): so
+    this runs before the model is loaded, and a process that used MLX's GPU before opening the
+    engine keeps what it had.
+    """
+    os.environ.setdefault(GRAPHS_VARIABLE, "1" if enabled else "0")

@@ -204,6 +204,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "prefill_chunk_seconds": getattr(args, "prefill_chunk_seconds", 0.25),
         "compiled_decode": getattr(args, "compiled_decode", None),
         "fused_projections": getattr(args, "fused_projections", None),
+        "cuda_graphs": getattr(args, "cuda_graphs", None),
         "dequantize_from_rows": getattr(args, "dequantize_from_rows", None),
     }
     engine_options["force_mllm"] = bool(getattr(args, "mllm", False))
