@@ -18,7 +18,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 import trio_mlx
 from model_wrappers import ScriptedModel, wrapping_loader
-from trio_mlx.engine import sampling
+from trio_mlx.engine import row_sampling, sampling
 from trio_mlx.engine.sampling import TokenSelector, fresh_seed
 from trio_mlx.types import SamplingParams
 
@@ -28,10 +28,15 @@ PROMPT = "The meaning of life is"
 # ---- the selector against direct computations ----------------------------------------------
 
 
+def row_params(*rows: SamplingParams) -> row_sampling.RowParams:
+    """The rows' filters as the selectors give them."""
+    filters = [TokenSelector(p, 8, []).filters for p in rows]
+    return row_sampling.RowParams(*(list(column) for column in zip(*filters, strict=True)))
+
+
 def kept(params: SamplingParams, logits: np.ndarray) -> set[int]:
     """Indices the selector's filters leave finite."""
-    selector = TokenSelector(params, logits.shape[-1], [])
-    filtered = np.array(selector._filter(mx.array(logits[None])))[0]
+    filtered = np.array(row_sampling.filtered(mx.array(logits[None]), row_params(params)))[0]
     return {int(i) for i in np.nonzero(np.isfinite(filtered))[0]}
 
 
@@ -56,6 +61,59 @@ def test_min_p_masks_tokens_below_a_fraction_of_the_best() -> None:
     probs = np.exp(LOGITS) / np.exp(LOGITS).sum()
     expected = {int(i) for i in np.nonzero(probs >= 0.3 * probs.max())[0]}
     assert kept(SamplingParams(temperature=1.0, min_p=0.3), LOGITS) == expected
+
+
+ROW_PARAMS = (
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, min_p=0.2),
+    SamplingParams(temperature=2.0, top_k=5, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=1.0, top_k=100),  # past the width: every token
+)
+
+
+def test_rows_sampled_together_draw_what_each_draws_alone() -> None:
+    """A batch's sampled rows in one pass, each with its own filters and uniform number, give
+    each row the token it gets alone (the serialized route's one-row pass): a row's draw never
+    depends on its companions or on the filters they use."""
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        logits = mx.array(rng.normal(size=(len(ROW_PARAMS), 8)).astype(np.float32) * 2.0)
+        uniforms = [row_sampling.draw(trial, i) for i in range(len(ROW_PARAMS))]
+        together = row_sampling.sample(logits, row_params(*ROW_PARAMS), uniforms).tolist()
+        alone = [
+            row_sampling.sample(logits[i : i + 1], row_params(p), [uniforms[i]]).item()
+            for i, p in enumerate(ROW_PARAMS)
+        ]
+        assert together == alone
+
+
+def test_the_draws_follow_the_filtered_softmax() -> None:
+    """Inverse-transform draws at `draw`'s uniform numbers: each token's frequency over 40,000
+    draws is its probability (within 5 standard errors), and a filtered-out token never comes."""
+    n = 40_000
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.8)):
+        filtered = np.array(row_sampling.filtered(mx.array(LOGITS[None]), row_params(params)))[0]
+        probs = np.exp(filtered - filtered.max())
+        probs /= probs.sum()
+        logits = mx.broadcast_to(mx.array(LOGITS[None]), (n, len(LOGITS)))
+        uniforms = [row_sampling.draw(12345, i) for i in range(n)]
+        tokens = np.array(row_sampling.sample(logits, row_params(params), uniforms))
+        counts = np.bincount(tokens, minlength=len(LOGITS))
+        for token, p in enumerate(probs):
+            if p == 0:
+                assert counts[token] == 0
+            else:
+                assert abs(counts[token] / n - p) < 5 * np.sqrt(p * (1 - p) / n)
+
+
+def test_a_draw_is_strictly_inside_zero_and_one_and_follows_its_seed() -> None:
+    draws = [row_sampling.draw(seed, n) for seed in (0, 1, -5, 2**70 + 3) for n in range(500)]
+    assert all(0.0 < u < 1.0 for u in draws)
+    assert row_sampling.draw(7, 3) == row_sampling.draw(7, 3) != row_sampling.draw(8, 3)
+    assert row_sampling.draw(-1, 0) == row_sampling.draw(2**64 - 1, 0)  # modulo 2**64
+    assert len(set(draws)) > 1900  # 2,000 draws, a grid of 2**23 values
 
 
 def test_penalties_follow_their_definitions() -> None:

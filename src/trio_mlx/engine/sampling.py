@@ -4,8 +4,10 @@
 presence and frequency penalties), then picks a token greedily or by a seeded draw after
 temperature, top-k, top-p and min-p. Its penalty state is updated with the chosen token as a lazy
 MLX operation, so choosing never forces the device to synchronise and decode steps can be queued
-ahead. Each sequence owns its own PRNG key, split once per step, so a seeded request draws the same
-tokens whatever other requests run beside it and across restarts.
+ahead. A sampled sequence draws its n-th token at a uniform number computed on the host from its
+seed and n (`row_sampling`: the same operations as a batch's sampled rows take together), so a
+seeded request draws the same tokens whatever other requests run beside it and across restarts.
+Speculative decoding's acceptance draws keep a PRNG key of their own (`next_key`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from trio_mlx.engine import row_sampling
 from trio_mlx.types import SamplingParams
-
-_NEG_INF = float("-inf")
 
 
 def fresh_seed() -> int:
@@ -46,16 +47,39 @@ class TokenSelector:
         if params.presence_penalty or params.frequency_penalty:
             self._counts = mx.zeros((vocab_size,), dtype=mx.float32)
         self._key: Any = None
+        self._seed = 0
+        self._draws = 0  # tokens drawn so far (`row_sampling.draw`)
+        self._filters: row_sampling.RowParams | None = None
         if params.temperature > 0.0:
             seed = params.seed if params.seed is not None else fresh_seed()
             # Any integer is a seed (OpenAI's are signed 64-bit); MLX keys take 0..2**64-1.
-            self._key = mx.random.key(seed % (1 << 64))
+            self._seed = seed % (1 << 64)
+            self._key = mx.random.key(self._seed)
 
     @property
     def batch_greedy(self) -> bool:
         """Greedy with at most a logit bias: a batch may choose it with one argmax over
         `logits + bias` (no penalty state, no key to split)."""
         return self._key is None and self._seen is None and self._counts is None
+
+    @property
+    def batch_sampled(self) -> bool:
+        """Sampled with at most a logit bias: a batch may draw it with its other such rows in
+        one pass over `logits + bias` (`row_sampling.sample`; no penalty state)."""
+        return self._key is not None and self._seen is None and self._counts is None
+
+    @property
+    def filters(self) -> tuple[float, int, float, float]:
+        """Temperature, top-k, top-p and min-p, as `row_sampling.RowParams` takes them."""
+        p = self.params
+        return p.temperature, p.top_k or 0, p.top_p, p.min_p
+
+    def next_uniform(self) -> float:
+        """This sequence's uniform number for its next draw (`row_sampling.draw`), counted as
+        drawn. Sampled only."""
+        uniform = row_sampling.draw(self._seed, self._draws)
+        self._draws += 1
+        return uniform
 
     @property
     def bias(self) -> Any:
@@ -111,8 +135,7 @@ class TokenSelector:
         if self._key is None:
             token = mx.argmax(logits, axis=-1)
         else:
-            key, self._key = mx.random.split(self._key)
-            token = mx.random.categorical(self._filter(logits / self.params.temperature), key=key)
+            token = row_sampling.sample(logits, self._row_params(), [self.next_uniform()])
         self.observe(token)
         return token
 
@@ -144,7 +167,7 @@ class TokenSelector:
     def distribution(self, logits: Any) -> Any:
         """The probabilities `choose` draws from, for adjusted logits of shape (n, width):
         temperature, then top-k, top-p and min-p, row by row (float32). Sampled only."""
-        return mx.softmax(self._filter(logits.astype(mx.float32) / self.params.temperature), -1)
+        return mx.softmax(row_sampling.filtered(logits, self._row_params()), -1)
 
     def fit_width(self, width: int) -> None:
         """Widen the bias and penalty arrays to logits of `width` entries now (as `adjust` does
@@ -166,31 +189,12 @@ class TokenSelector:
         """Put back a penalty state taken by `checkpoint` (drafted tokens that were refused)."""
         self._seen, self._counts = state
 
-    def _filter(self, logits: Any) -> Any:
-        params = self.params
-        if params.top_k and params.top_k < logits.shape[-1]:
-            kth = mx.sort(logits, axis=-1)[..., -params.top_k][..., None]
-            logits = mx.where(logits < kth, _NEG_INF, logits)
-        if params.top_p < 1.0:
-            logits = _apply_top_p(logits, params.top_p)
-        if params.min_p > 0.0:
-            probs = mx.softmax(logits, axis=-1)
-            floor = params.min_p * mx.max(probs, axis=-1, keepdims=True)
-            logits = mx.where(probs < floor, _NEG_INF, logits)
-        return logits
-
-
-def _apply_top_p(logits: Any, top_p: float) -> Any:
-    """Mask (to -inf) every token outside the smallest set whose probability reaches `top_p`."""
-    probs = mx.softmax(logits, axis=-1)
-    order = mx.argsort(-probs, axis=-1)
-    sorted_probs = mx.take_along_axis(probs, order, axis=-1)
-    # A token stays if the mass strictly before it is below top_p (so the top token always stays).
-    mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = mass_before < top_p
-    inverse = mx.argsort(order, axis=-1)
-    keep = mx.take_along_axis(keep_sorted, inverse, axis=-1)
-    return mx.where(keep, logits, _NEG_INF)
+    def _row_params(self) -> row_sampling.RowParams:
+        """Its filters as one row's parameters (made once)."""
+        if self._filters is None:
+            temperature, top_k, top_p, min_p = self.filters
+            self._filters = row_sampling.RowParams([temperature], [top_k], [top_p], [min_p])
+        return self._filters
 
 
 def logprob_arrays(raw_logits: Any, token: Any, top: int) -> tuple[Any, Any, Any]:
