@@ -119,6 +119,41 @@ async def test_each_request_gives_alone_what_it_gives_with_any_companions(
         assert logprob_values(a) == pytest.approx(logprob_values(b), abs=1e-4)
 
 
+#: sampled and greedy requests without penalties or processors: the batch draws the sampled ones
+#: together in one pass (`batch_choice`, `row_sampling`), each with its filters, bias and logprobs
+DRAWN_TOGETHER: list[dict[str, Any]] = [
+    {"temperature": 0.9, "seed": 1, "max_tokens": 12},
+    {"temperature": 1.3, "seed": 2, "top_p": 0.8, "max_tokens": 9, "logprobs": True},
+    {"temperature": 0.7, "seed": 3, "top_k": 20, "logit_bias": {"2048": 4.0}, "max_tokens": 12},
+    {"temperature": 1.0, "seed": 4, "min_p": 0.05, "top_logprobs": 2, "logprobs": True},
+    {"temperature": 0.0, "logit_bias": {"1000": 2.0}, "max_tokens": 7},
+    {"temperature": 2.0, "seed": 5, "top_k": 5, "top_p": 0.9, "max_tokens": 3},
+]
+
+
+@pytest.mark.usefixtures("batch_pipeline")
+async def test_rows_drawn_together_give_what_the_serialized_route_gives(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch's sampling pass gives each seeded request the tokens (and logprobs) it gets on
+    the serialized route: its draw depends on its seed and its own filters only."""
+    prompts = [f"Request {i}: the keeper watched the grey sea" for i in range(len(DRAWN_TOGETHER))]
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=1, cache_memory_bytes=0) as one:
+        alone = [await one.generate(p, **o) for p, o in zip(prompts, DRAWN_TOGETHER, strict=True)]
+    async with trio_mlx.open_engine(
+        tiny_model_dir, max_num_seqs=8, cache_memory_bytes=0, admission="wait", max_waiting=8
+    ) as engine:
+        calls = [
+            partial(engine.generate, p, **o) for p, o in zip(prompts, DRAWN_TOGETHER, strict=True)
+        ]
+        _, together = await alone_then_together(engine, calls, monkeypatch)
+        assert max(int(n) for n in engine.get_stats()["runner"]["batch_sizes"]) >= 4
+    assert [summary(o) for o in together] == [summary(o) for o in alone]
+    assert len({tuple(o.tokens) for o in alone}) == len(alone)
+    for a, b in zip(alone, together, strict=True):
+        assert logprob_values(a) == pytest.approx(logprob_values(b), abs=1e-4)
+
+
 def media_mix(seed: int, count: int) -> list[tuple[Any, dict[str, Any]]]:
     """`count` (messages, options) pairs on the tiny vision model: about half with an image (one
     of a few sizes), the options drawn as `request_mix` draws them, some with an output format."""

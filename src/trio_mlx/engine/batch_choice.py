@@ -6,9 +6,13 @@ parameters, penalties, logit bias, its own PRNG key, so a seeded request draws t
 whatever its companions), its logits processors called on its own row of logits (shape (1, vocab))
 until they retire, its grammar's mask where it has one (`masked_choice.masked_logits`), its
 logprobs. Rows that are greedy without processors or penalties (`BatchSequence.plain`; logit bias
-allowed) are chosen by one batched argmax, their biases stacked into one matrix that is rebuilt
-only when the rows change (`rows_changed`: the batch's rows changed, or a row's processors
-retired).
+allowed) are chosen by one batched argmax; rows sampled without processors, penalties or grammar
+(`TokenSelector.batch_sampled`; logit bias allowed) are drawn together by one pass over the
+batch's logits (`row_sampling.sample`: each row's filters and its own uniform number, so each
+draws the token it would draw alone, `TokenSelector.choose`). The biases stacked into one matrix,
+the rows' filters and which rows are which are rebuilt only when the rows change
+(`rows_changed`: the batch's rows changed, or a row's processors retired). A row of any other
+kind is chosen on its own (`row`).
 
 Spent rows (`spent`: row indices whose token in flight is their last, in a pipelined batch that
 queues the next step before reading the last) are chosen by their logits' argmax alone: their
@@ -25,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from trio_mlx.engine import row_sampling
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.decode import PendingToken
 from trio_mlx.engine.sampling import logprob_arrays
@@ -38,6 +43,9 @@ class BatchChoice:
         self._vocab = vocab_size
         self._bias: Any = None
         self._bias_stale = True
+        #: per row: drawn in the batch's sampling pass (`vector_sampled`); and their filters
+        self._sampled: list[bool] = []
+        self._filters: row_sampling.RowParams | None = None
 
     def rows_changed(self) -> None:
         """The batch's rows, or which of them are plain, changed: rebuild the bias matrix."""
@@ -47,14 +55,72 @@ class BatchChoice:
         self, rows: list[BatchSequence], logits: Any, spent: frozenset[int] = frozenset()
     ) -> tuple[Any, dict[int, Any]]:
         """The next token of every row (shape (B,), lazy), and the rows' logprob arrays."""
+        self._refresh(rows, logits.shape[-1])
         greedy: Any = None
         if any(s.plain for s in rows):
-            bias = self._bias_matrix(rows, logits.shape[-1])
-            greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
+            greedy = self._argmax(logits)
         if all(s.plain and not s.job.params.logprobs for s in rows):
             return greedy, {}
-        pieces, logprobs = self.pieces(rows, logits, greedy=greedy, spent=spent)
-        return mx.concatenate(pieces), logprobs
+        drawn = self._draw(rows, logits, spent) if any(self._sampled) else None
+        if not all(s.plain or vector for s, vector in zip(rows, self._sampled, strict=True)):
+            pieces, logprobs = self.pieces(rows, logits, greedy=greedy, spent=spent, drawn=drawn)
+            return mx.concatenate(pieces), logprobs
+        live = [vector and i not in spent for i, vector in enumerate(self._sampled)]
+        tokens: Any
+        if all(live):
+            tokens = drawn
+        else:  # greedy rows, or a spent row's token (never read)
+            greedy = self._argmax(logits) if greedy is None else greedy
+            tokens = greedy if drawn is None else mx.where(mx.array(live), drawn, greedy)
+        pending: dict[int, Any] = {}
+        for i, seq in enumerate(rows):
+            if seq.job.params.logprobs and i not in spent:
+                token = tokens[i : i + 1]
+                top = seq.job.params.top_logprobs
+                chosen, ids, values = logprob_arrays(logits[i : i + 1], token, top)
+                pending[i] = PendingToken(token, chosen, ids, values)
+        return tokens, pending
+
+    def _argmax(self, logits: Any) -> Any:
+        """Every row's argmax over its logits plus its bias (`_refresh`)."""
+        bias = self._bias
+        return mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
+
+    def _draw(self, rows: list[BatchSequence], logits: Any, spent: frozenset[int]) -> Any:
+        """Every row's token from the batch's sampling pass (`row_sampling.sample`, shape (B,)):
+        the `vector_sampled` rows' draws, each at its next uniform number (a `spent` row's is
+        not taken: its token is never read); the other rows' entries are not used."""
+        uniforms = [
+            seq.selector.next_uniform() if vector and i not in spent else 0.5
+            for i, (seq, vector) in enumerate(zip(rows, self._sampled, strict=True))
+        ]
+        biased = logits if self._bias is None else logits.astype(mx.float32) + self._bias
+        assert self._filters is not None
+        return row_sampling.sample(biased, self._filters, uniforms)
+
+    def _refresh(self, rows: list[BatchSequence], width: int) -> None:
+        """Rebuild, after `rows_changed`, the bias matrix, which rows the sampling pass draws
+        and their filters (neutral ones for the other rows)."""
+        if not self._bias_stale and len(self._sampled) == len(rows):
+            return
+        self._bias_stale = False
+        self._sampled = [vector_sampled(s) for s in rows]
+        biases = [
+            s.selector.bias if s.plain or vector else None
+            for s, vector in zip(rows, self._sampled, strict=True)
+        ]
+        if all(b is None for b in biases) or width != self._vocab:
+            self._bias = None
+        else:
+            zeros = mx.zeros((self._vocab,), dtype=mx.float32)
+            self._bias = mx.stack([zeros if b is None else b for b in biases])
+        neutral = (1.0, 0, 1.0, 0.0)
+        filters = [
+            s.selector.filters if vector else neutral
+            for s, vector in zip(rows, self._sampled, strict=True)
+        ]
+        columns = list(zip(*filters, strict=True)) or [(), (), (), ()]
+        self._filters = row_sampling.RowParams(*(list(c) for c in columns))
 
     def first(self, seq: BatchSequence, logits: Any) -> tuple[Any, dict[int, Any]]:
         """The token of `seq` alone (not a row of the batch: its first token, from its prompt's
@@ -76,12 +142,14 @@ class BatchChoice:
         greedy: Any = None,
         skip_constrained: bool = False,
         spent: frozenset[int] = frozenset(),
+        drawn: Any = None,
     ) -> tuple[list[Any], dict[int, Any]]:
         """Each row's token (shape (1,), lazy; None for a constrained row when
-        `skip_constrained`; the argmax alone for a `spent` row) and the rows' logprob arrays."""
+        `skip_constrained`; the argmax alone for a `spent` row) and the rows' logprob arrays;
+        `drawn`: the batch's sampling pass (`tokens`), for the rows it drew."""
+        self._refresh(rows, logits.shape[-1])
         if greedy is None and any(s.plain for s in rows):
-            bias = self._bias_matrix(rows, logits.shape[-1])
-            greedy = mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
+            greedy = self._argmax(logits)
         pieces: list[Any] = []
         logprobs: dict[int, Any] = {}
         for i, seq in enumerate(rows):
@@ -90,6 +158,14 @@ class BatchChoice:
                 continue
             if i in spent:
                 pieces.append(mx.argmax(logits[i : i + 1], -1).astype(mx.uint32))
+                continue
+            if drawn is not None and self._sampled[i]:
+                token = drawn[i : i + 1]
+                if seq.job.params.logprobs:
+                    top = seq.job.params.top_logprobs
+                    chosen, ids, values = logprob_arrays(logits[i : i + 1], token, top)
+                    logprobs[i] = PendingToken(token, chosen, ids, values)
+                pieces.append(token)
                 continue
             pieces.append(self.row(i, seq, logits[i : i + 1], greedy, logprobs))
         return pieces, logprobs
@@ -116,19 +192,6 @@ class BatchChoice:
             token = mx.argmax(raw, -1)
         return token.astype(mx.uint32)
 
-    def _bias_matrix(self, rows: list[BatchSequence], width: int) -> Any:
-        """Every row's logit bias stacked (zeros for rows without one), None when no row has
-        one; rebuilt only when the rows change."""
-        if self._bias_stale:
-            self._bias_stale = False
-            biases = [s.selector.bias if s.plain else None for s in rows]
-            if all(b is None for b in biases) or width != self._vocab:
-                self._bias = None
-            else:
-                zeros = mx.zeros((self._vocab,), dtype=mx.float32)
-                self._bias = mx.stack([zeros if b is None else b for b in biases])
-        return self._bias
-
 
 def _sample(seq: BatchSequence, raw: Any, words: Any = None) -> Any:
     """`seq`'s token from its row of logits `raw`: its processors (its history grows by the
@@ -144,3 +207,9 @@ def _sample(seq: BatchSequence, raw: Any, words: Any = None) -> Any:
     if seq.processors:
         seq.history = mx.concatenate([seq.history, token.astype(mx.int32)])
     return token
+
+
+def vector_sampled(seq: BatchSequence) -> bool:
+    """Whether the batch's sampling pass draws `seq`'s token: sampled, no processors, no
+    penalties, no grammar (a logit bias allowed)."""
+    return not seq.processors and seq.grammar is None and seq.selector.batch_sampled
