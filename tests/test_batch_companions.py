@@ -5,7 +5,9 @@ strings and logprobs, with and without `max_kv_size`, each request run alone and
 at one step boundary on the same engine: the same tokens, finish reasons and text, and logprobs
 equal within float rounding; and on the tiny vision model, mixes of requests with and without an
 image (some with an output format). Bounded: 2 mixes x 2 windows of 6 requests and 3 mixes of 6
-on the vision model (one with a window), 24 tokens at most."""
+on the vision model (one with a window), 24 tokens at most. Also: sampled rows drawn together in
+the batch's one sampling pass against the serialized route, and a biased sampled row when the
+logits are wider than the vocabulary."""
 
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 import trio
 
 import trio_mlx
+from model_wrappers import _Wrapped, wrapping_loader
 from runner_intake import hold_the_runner_intake
 from servers import eventually
 
@@ -152,6 +156,47 @@ async def test_rows_drawn_together_give_what_the_serialized_route_gives(
     assert len({tuple(o.tokens) for o in alone}) == len(alone)
     for a, b in zip(alone, together, strict=True):
         assert logprob_values(a) == pytest.approx(logprob_values(b), abs=1e-4)
+
+
+class WideLogits(_Wrapped):
+    """The real model with its logits padded past the vocabulary by 8 entries that are never
+    drawn (an output layer padded past the tokenizer's ids, as some checkpoints have)."""
+
+    def __call__(self, tokens: Any, cache: Any = None, **kwargs: Any) -> Any:
+        logits = self._inner(tokens, cache=cache, **kwargs)
+        pad = mx.full((*logits.shape[:-1], 8), -1e9, dtype=logits.dtype)
+        return mx.concatenate([logits, pad], axis=-1)
+
+
+async def test_a_biased_sampled_row_keeps_its_bias_when_the_logits_are_wider(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Logits wider than the biases: a sampled row with a logit bias is chosen on its own (its
+    selector widens the bias), not dropped from it in the batch's pass; here a bias of +100
+    forces its token on both routes."""
+    loader, _ = wrapping_loader(WideLogits)
+    requests = [
+        {"temperature": 0.9, "seed": 1, "max_tokens": 6, "logit_bias": {"2048": 100.0}},
+        {"temperature": 0.9, "seed": 2, "max_tokens": 6},
+        {"temperature": 0.9, "seed": 3, "max_tokens": 6, "top_p": 0.9},
+    ]
+    prompts = [f"Request {i}: the grey sea" for i in range(len(requests))]
+    async with trio_mlx.open_engine(
+        tiny_model_dir, loader=loader, max_num_seqs=1, cache_memory_bytes=0
+    ) as one:
+        alone = [await one.generate(p, **o) for p, o in zip(prompts, requests, strict=True)]
+    assert list(alone[0].tokens) == [2048] * 6
+    async with trio_mlx.open_engine(
+        tiny_model_dir,
+        loader=loader,
+        max_num_seqs=4,
+        cache_memory_bytes=0,
+        admission="wait",
+        max_waiting=4,
+    ) as engine:
+        calls = [partial(engine.generate, p, **o) for p, o in zip(prompts, requests, strict=True)]
+        _, together = await alone_then_together(engine, calls, monkeypatch)
+    assert [summary(o) for o in together] == [summary(o) for o in alone]
 
 
 def media_mix(seed: int, count: int) -> list[tuple[Any, dict[str, Any]]]:

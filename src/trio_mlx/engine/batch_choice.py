@@ -104,7 +104,11 @@ class BatchChoice:
         if not self._bias_stale and len(self._sampled) == len(rows):
             return
         self._bias_stale = False
-        self._sampled = [vector_sampled(s) for s in rows]
+        # (logits of another width than the biases': a biased row is chosen on its own, whose
+        # selector widens its bias or says why it cannot)
+        self._sampled = [
+            vector_sampled(s) and (width == self._vocab or s.selector.bias is None) for s in rows
+        ]
         biases = [
             s.selector.bias if s.plain or vector else None
             for s, vector in zip(rows, self._sampled, strict=True)
