@@ -2,16 +2,16 @@
 `BatchDecoder.decode` (and `batch_constrained`, through `BatchChoice.row`).
 
 Per sequence, as on the serialized route (`decode.ActiveSequence`): its `TokenSelector` (sampling
-parameters, penalties, logit bias, its own PRNG key, so a seeded request draws the same tokens
-whatever its companions), its logits processors called on its own row of logits (shape (1, vocab))
-until they retire, its grammar's mask where it has one (`masked_choice.masked_logits`), its
-logprobs. Rows that are greedy without processors or penalties (`BatchSequence.plain`; logit bias
-allowed) are chosen by one batched argmax; rows sampled without processors, penalties or grammar
-(`TokenSelector.batch_sampled`; logit bias allowed) are drawn together by one pass over the
-batch's logits (`row_sampling.sample`: each row's filters and its own uniform number, so each
-draws the token it would draw alone, `TokenSelector.choose`). The biases stacked into one matrix,
-the rows' filters and which rows are which are rebuilt only when the rows change
-(`rows_changed`: the batch's rows changed, or a row's processors retired). A row of any other
+parameters, penalties, logit bias, its own seeded draws, `row_sampling.draw`, so a seeded request
+draws the same tokens whatever its companions), its logits processors called on its own row of
+logits (shape (1, vocab)) until they retire, its grammar's mask where it has one
+(`masked_choice.masked_logits`), its logprobs. Rows that are greedy without processors or penalties
+(`BatchSequence.plain`; logit bias allowed) are chosen by one batched argmax; rows sampled without
+processors, penalties or grammar (`TokenSelector.batch_sampled`; logit bias allowed) are drawn
+together by one pass over the batch's logits (`row_sampling.sample`: each row's filters and its own
+uniform number, so each draws the token it would draw alone, `TokenSelector.choose`). The biases
+stacked into one matrix, the rows' filters and which rows are which are rebuilt only when the rows
+change (`rows_changed`: the batch's rows changed, or a row's processors retired). A row of any other
 kind is chosen on its own (`row`).
 
 Spent rows (`spent`: row indices whose token in flight is their last, in a pipelined batch that

@@ -2,7 +2,7 @@
 end. Runs on the runner thread only.
 
 It owns what is the sequence's own whatever its companions: its job, its `TokenSelector` (its
-own PRNG key), its logits processors and their token history, its grammar's matcher, its draft
+own seeded draws), its logits processors and their token history, its grammar's matcher, its draft
 state once it has speculated, and where it has got to (`prompt_done`, the generated tokens fed
 and read, `pending`). While it waits to join the batch it prefills on a cache of its own,
 `prefill_chunk` by chunk (whole blocks of its `PrefillPlan`, cut at its store points when the

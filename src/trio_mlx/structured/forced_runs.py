@@ -14,8 +14,8 @@ pass instead of n.
 
 The tokens are exactly those of step-by-step greedy decoding under the mask (each is the only
 token its mask allows, so an argmax over the masked logits would name it whatever the logits
-are); only the number of forward passes changes. Not for sampled rows (a sampler draws from its
-PRNG key at every step, forced or not: skipping steps would change the draws after), nor rows
+are); only the number of forward passes changes. Not for sampled rows (a sampler takes its next
+draw at every step, forced or not: skipping steps would change the draws after), nor rows
 with logits processors, penalties or bias (they see every step), nor logprobs (each forced token's
 logprob would need its own position's logits); those keep one step a token.
 """
