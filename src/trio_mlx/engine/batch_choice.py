@@ -62,23 +62,33 @@ class BatchChoice:
         if all(s.plain and not s.job.params.logprobs for s in rows):
             return greedy, {}
         drawn = self._draw(rows, logits, spent) if any(self._sampled) else None
-        if not all(s.plain or vector for s, vector in zip(rows, self._sampled, strict=True)):
-            pieces, logprobs = self.pieces(rows, logits, greedy=greedy, spent=spent, drawn=drawn)
-            return mx.concatenate(pieces), logprobs
         live = [vector and i not in spent for i, vector in enumerate(self._sampled)]
         tokens: Any
         if all(live):
             tokens = drawn
-        else:  # greedy rows, or a spent row's token (never read)
+        else:  # greedy rows, a spent row's token (never read), and those chosen on their own
             greedy = self._argmax(logits) if greedy is None else greedy
             tokens = greedy if drawn is None else mx.where(mx.array(live), drawn, greedy)
         pending: dict[int, Any] = {}
+        own = [
+            i
+            for i, (seq, vector) in enumerate(zip(rows, self._sampled, strict=True))
+            if not (seq.plain or vector) and i not in spent
+        ]
+        place: dict[int, int] = {}  # a row chosen on its own: its token's place
+        if own:
+            # rows chosen on their own (processors, penalties, a grammar): their tokens put in
+            # their places by one gather
+            chosen = [self.row(i, rows[i], logits[i : i + 1], greedy, pending) for i in own]
+            place = {i: len(rows) + k for k, i in enumerate(own)}  # (logprobs: `row`'s)
+            index = mx.array([place.get(i, i) for i in range(len(rows))])
+            tokens = mx.take(mx.concatenate([tokens, *chosen]), index)
         for i, seq in enumerate(rows):
-            if seq.job.params.logprobs and i not in spent:
+            if seq.job.params.logprobs and i not in spent and i not in place:
                 token = tokens[i : i + 1]
                 top = seq.job.params.top_logprobs
-                chosen, ids, values = logprob_arrays(logits[i : i + 1], token, top)
-                pending[i] = PendingToken(token, chosen, ids, values)
+                chosen_logprob, ids, values = logprob_arrays(logits[i : i + 1], token, top)
+                pending[i] = PendingToken(token, chosen_logprob, ids, values)
         return tokens, pending
 
     def _argmax(self, logits: Any) -> Any:
@@ -146,11 +156,9 @@ class BatchChoice:
         greedy: Any = None,
         skip_constrained: bool = False,
         spent: frozenset[int] = frozenset(),
-        drawn: Any = None,
     ) -> tuple[list[Any], dict[int, Any]]:
         """Each row's token (shape (1,), lazy; None for a constrained row when
-        `skip_constrained`; the argmax alone for a `spent` row) and the rows' logprob arrays;
-        `drawn`: the batch's sampling pass (`tokens`), for the rows it drew."""
+        `skip_constrained`; the argmax alone for a `spent` row) and the rows' logprob arrays."""
         self._refresh(rows, logits.shape[-1])
         if greedy is None and any(s.plain for s in rows):
             greedy = self._argmax(logits)
@@ -162,14 +170,6 @@ class BatchChoice:
                 continue
             if i in spent:
                 pieces.append(mx.argmax(logits[i : i + 1], -1).astype(mx.uint32))
-                continue
-            if drawn is not None and self._sampled[i]:
-                token = drawn[i : i + 1]
-                if seq.job.params.logprobs:
-                    top = seq.job.params.top_logprobs
-                    chosen, ids, values = logprob_arrays(logits[i : i + 1], token, top)
-                    logprobs[i] = PendingToken(token, chosen, ids, values)
-                pieces.append(token)
                 continue
             pieces.append(self.row(i, seq, logits[i : i + 1], greedy, logprobs))
         return pieces, logprobs
