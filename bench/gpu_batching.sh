@@ -5,6 +5,8 @@
 #   step 3 (same host):                  bash bench/gpu_batching.sh run-8b
 # long-arrival (same host, MODEL to change the 8B bf16 shape): bench.long_arrival with the prefill
 # chunks apart and in the decode step's pass, then bench.prefill_chunks' bucketed and mixed.
+# sampled (same host, MODEL as above): bench.sampled_rows, a step's graph and time with 1/16/64
+# sampled rows drawn together against row by row, with MLX's CUDA graphs on, then off.
 # run-1b: the bare batched step ceiling (bench/batch_ceiling.py) at B = 1/4/16/64, then
 # bench.compare through HTTP at 1/4/16/64 streams beside mlx_lm.server and vllm-mlx
 # --continuous-batching, then trio-mlx alone at 1 stream with --max-num-seqs 1 (the serialized
@@ -24,8 +26,8 @@ case "${1:-}" in
   run-1b) model=synthetic:llama-1b-bf16; name=llama-1b-bf16; deadline=${DEADLINE:-300} ;;
   run-8b) model=synthetic:llama-8b-bf16; name=llama-8b-bf16; deadline=${DEADLINE:-330} ;;
   run-8b-q4) model=synthetic:llama-8b-q4; name=llama-8b-q4; deadline=${DEADLINE:-330} ;;
-  long-arrival) model=${MODEL:-synthetic:llama-8b-bf16}; name=${model#synthetic:} ;;
-  *) echo "usage: $0 stash | run-1b | run-8b | run-8b-q4 | long-arrival" >&2; exit 2 ;;
+  long-arrival|sampled) model=${MODEL:-synthetic:llama-8b-bf16}; name=${model#synthetic:} ;;
+  *) echo "usage: $0 stash | run-1b | run-8b | run-8b-q4 | long-arrival | sampled" >&2; exit 2 ;;
 esac
 : "${OUT:?OUT must name the folder for the results}"
 if ! PYTHONPATH=/tmp/site python3 -c 'import mlx.core' 2>/dev/null; then bash .whl/2/on-gpu-host install; fi
@@ -42,6 +44,14 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
 vllm=(--vllm-python none)
 [[ -x /tmp/vllm-python ]] && vllm=(--vllm-python /tmp/vllm-python)
 cd "$CODE"
+if [[ "$1" == sampled ]]; then
+  for graphs in 1 0; do
+    MLX_USE_CUDA_GRAPHS=$graphs timeout -s INT 250 python3 -m bench.sampled_rows --model "$model" \
+      --rows 1,16,64 --steps 30 --workdir "$WORK" \
+      --json "$OUT/$stamp-$card-sampled-rows-$name-graphs-$graphs.json" | tail -9 || true
+  done
+  exit 0
+fi
 if [[ "$1" == long-arrival ]]; then
   # Issue 16's ITL p99 while an 8k prompt is admitted, chunks apart against chunks in the
   # decode step's pass (`engine/mixed_step.py`), one process each; then the two passes apart.
