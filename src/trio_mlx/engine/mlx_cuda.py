@@ -45,7 +45,7 @@ def use_cuda_graphs(enabled: bool) -> None:
     1,218 against 944); one stream decoded at 248-259 tok/s without against 306-426 with
     (8B: 139 against 162). An 8,000-token prompt admitted beside 16 decoding streams on the 8B
     (`bench.long_arrival`): the running streams' ITL p99 over their plain median was 3.0-3.1
-    without graphs in the repeats after the first, 5.4-7.3 with them.
+    without graphs in the repeats after the first, 5.4-7.4 with them.
 
     MLX reads the setting once, at the process's first graph (any evaluation on the GPU): so
     this runs before the model is loaded, and a process that used MLX's GPU before opening the
