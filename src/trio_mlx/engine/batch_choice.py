@@ -56,18 +56,19 @@ class BatchChoice:
     ) -> tuple[Any, dict[int, Any]]:
         """The next token of every row (shape (B,), lazy), and the rows' logprob arrays."""
         self._refresh(rows, logits.shape[-1])
+        biased = self._biased(logits)  # (once, for the argmax and the sampling pass)
         greedy: Any = None
         if any(s.plain for s in rows):
-            greedy = self._argmax(logits)
+            greedy = mx.argmax(biased, -1)
         if all(s.plain and not s.job.params.logprobs for s in rows):
             return greedy, {}
-        drawn = self._draw(rows, logits, spent) if any(self._sampled) else None
+        drawn = self._draw(rows, biased, spent) if any(self._sampled) else None
         live = [vector and i not in spent for i, vector in enumerate(self._sampled)]
         tokens: Any
         if all(live):
             tokens = drawn
         else:  # greedy rows, a spent row's token (never read), and those chosen on their own
-            greedy = self._argmax(logits) if greedy is None else greedy
+            greedy = mx.argmax(biased, -1) if greedy is None else greedy
             tokens = greedy if drawn is None else mx.where(mx.array(live), drawn, greedy)
         pending: dict[int, Any] = {}
         own = [
@@ -91,20 +92,20 @@ class BatchChoice:
                 pending[i] = PendingToken(token, chosen_logprob, ids, values)
         return tokens, pending
 
-    def _argmax(self, logits: Any) -> Any:
-        """Every row's argmax over its logits plus its bias (`_refresh`)."""
+    def _biased(self, logits: Any) -> Any:
+        """Every row's logits plus its bias (`_refresh`), float32 where a row has one."""
         bias = self._bias
-        return mx.argmax(logits if bias is None else logits.astype(mx.float32) + bias, -1)
+        return logits if bias is None else logits.astype(mx.float32) + bias
 
-    def _draw(self, rows: list[BatchSequence], logits: Any, spent: frozenset[int]) -> Any:
-        """Every row's token from the batch's sampling pass (`row_sampling.sample`, shape (B,)):
-        the `vector_sampled` rows' draws, each at its next uniform number (a `spent` row's is
-        not taken: its token is never read); the other rows' entries are not used."""
+    def _draw(self, rows: list[BatchSequence], biased: Any, spent: frozenset[int]) -> Any:
+        """Every row's token from the batch's sampling pass over the `biased` logits
+        (`row_sampling.sample`, shape (B,)): the `vector_sampled` rows' draws, each at its next
+        uniform number (a `spent` row's is not taken: its token is never read); the other rows'
+        entries are not used."""
         uniforms = [
             seq.selector.next_uniform() if vector and i not in spent else 0.5
             for i, (seq, vector) in enumerate(zip(rows, self._sampled, strict=True))
         ]
-        biased = logits if self._bias is None else logits.astype(mx.float32) + self._bias
         assert self._filters is not None
         return row_sampling.sample(biased, self._filters, uniforms)
 
@@ -161,7 +162,7 @@ class BatchChoice:
         `skip_constrained`; the argmax alone for a `spent` row) and the rows' logprob arrays."""
         self._refresh(rows, logits.shape[-1])
         if greedy is None and any(s.plain for s in rows):
-            greedy = self._argmax(logits)
+            greedy = mx.argmax(self._biased(logits), -1)
         pieces: list[Any] = []
         logprobs: dict[int, Any] = {}
         for i, seq in enumerate(rows):

@@ -59,7 +59,6 @@ class RowParams:
         top_p: Sequence[float],
         min_p: Sequence[float],
     ) -> None:
-        self.rows = len(temperature)
         self.temperature = _column(temperature, mx.float32)
         self.top_k = _column(top_k, mx.int32) if any(k > 0 for k in top_k) else None
         self.top_p = _column(top_p, mx.float32) if any(p < 1.0 for p in top_p) else None
