@@ -163,6 +163,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 elif result.finish is not None:
                     stores.append((result.seq, "conversation", None))
             counters.grouped_attention_steps = batch.grouped_attention_steps
+            counters.segmented_steps = batch.segmented_steps
             if rows and not solo:
                 mixed_before = _observe_step(
                     pacer, time.perf_counter() - began, mixed, mixed_before, batch.pipelined

@@ -113,6 +113,7 @@ def engine_stats(
             "grouped_prefills": counters.grouped_prefills,
             "prefill_group_failures": counters.prefill_group_failures,
             "grouped_attention_steps": counters.grouped_attention_steps,
+            "segmented_steps": counters.segmented_steps,
             "deferred_joins": counters.deferred_joins,
             "mixed_chunks": counters.mixed_chunks,
             "arriving": runner.arriving,

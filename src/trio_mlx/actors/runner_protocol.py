@@ -111,6 +111,9 @@ class RunnerCounters:
     prefill_group_failures: int = 0
     #: decode steps whose rows attended in two groups (batched route: `ragged_attention`)
     grouped_attention_steps: int = 0
+    #: decode steps whose rows sat in groups of their own buffers (batched route:
+    #: `batch_segments`)
+    segmented_steps: int = 0
     #: joins of prompts of several chunks put off by a step (batched route: `BatchDecoder.join`)
     deferred_joins: int = 0
     #: prefill chunks that rode in a decode step's pass (batched route: `mixed_step`)

@@ -61,7 +61,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_join, mixed_step, ragged_attention
+from trio_mlx.engine import batch_join, batch_segments, mixed_step, ragged_attention
 from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_constrained import choose_constrained
 from trio_mlx.engine.batch_join import PrefillResult
@@ -119,6 +119,10 @@ class BatchDecoder:
     #: a batch of rows of very different lengths attends in two groups, the short rows over
     #: only the columns they use (`ragged_attention`); False: every row over the whole width
     ragged_attention = True
+    #: rows of very different lengths sit in groups of their own, each on its own buffer: a
+    #: long prompt joins and leaves without re-laying the other rows' caches (`batch_segments`);
+    #: False: one buffer a layer, every row at the longest row's width
+    segmented_rows = True
     #: waiting prompts' next chunks ride in the decode step's forward pass (`mixed_step`,
     #: `decode`'s `mix`). None: where it was measured to pay, with the prefill chunks' recurring
     #: shapes (MLX's CUDA backend: on an H100's 8B, 16 streams' gaps while an 8,000-token prompt
@@ -175,6 +179,12 @@ class BatchDecoder:
         self._ragged: RaggedPlan | None = None  # the last step's (`ragged_attention`)
         #: decode steps whose rows attended in two groups
         self.grouped_attention_steps = 0
+        #: decode steps whose rows sat in groups of their own (`batch_segments`)
+        self.segmented_steps = 0
+        #: rows of very different lengths go in groups of their own (`batch_segments`;
+        #: `TRIO_MLX_SEGMENTED_ROWS=off` turns it off where set, for benchmarks)
+        segments = os.environ.get("TRIO_MLX_SEGMENTED_ROWS", "").lower() != "off"
+        self._segments = self.segmented_rows and segments and batch_segments.supported(model)
         #: joins put off by a step (`join`'s `defer_long`)
         self.deferred_joins = 0
         mixing = self.mixed_prefill
@@ -187,10 +197,10 @@ class BatchDecoder:
         #: `take_mixed`)
         self.mixed_chunks = 0
         self._mixed: list[PrefillResult] = []
-        if self.ragged_attention:
+        if self.ragged_attention or self._segments:
             install_dispatcher(COMPILABLE_MODULES)
-            if padded_attention_default():  # CUDA compiles the groups' gathers on first use
-                ragged_attention.warm_up(model)
+        if self.ragged_attention and padded_attention_default():
+            ragged_attention.warm_up(model)  # CUDA compiles the groups' gathers on first use
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -306,6 +316,7 @@ class BatchDecoder:
         rows = list(self.rows)
         spent = spent_rows(rows, self._queued)
         feed(rows)
+        self.segmented_steps += batch_segments.segmented(self._cache)
         if self.ragged_attention and not self.solo:
             # the positions each row holds once this step has written: a row whose previous
             # step is in flight (not yet read) has that step's token still to count
@@ -547,11 +558,12 @@ class BatchDecoder:
 
         `defer_long` (the runner's step has just run a prefill chunk while rows decode): a
         sequence whose prompt took several chunks of its own joins at the next step instead,
-        once (`deferred_joins` counts them). Its join re-lays every row's cache to its length
-        (left-padded rows: on the H100's 8B, 16 rows joined by an 8,000-token one, ~13 ms on
-        the device, a decode step's worth), and its last chunk took this step's prefill budget
-        already: together the running rows' gap would grow by both. A prompt of one chunk or
-        a group pass joins at once (its join is as narrow as the batch)."""
+        once (`deferred_joins` counts them). Its join costs a step's worth or more (a part of
+        its own, `batch_segments`, or every row's cache re-laid to its length; and the first
+        step at the batch's new shape: on the H100's 8B, 16 rows joined by an 8,000-token one,
+        27-61 ms), and its last chunk took this step's prefill budget already: together the
+        running rows' gap would grow by both. A prompt of one chunk or a group pass joins at
+        once (its join is as narrow as the batch)."""
         held: set[int] = set()
         if defer_long:
             for seq in self.waiting:
@@ -572,6 +584,7 @@ class BatchDecoder:
             empty=not self.rows,
             solo=self.solo,
             solo_rows=self._solo_rows,
+            segments=self._segments,
         )
         self.rows.extend(joiners)
         return len(joiners)

@@ -26,6 +26,8 @@ chunk, `batch_specprefill`: a scoring chunk's tokens spend the budget too, and a
 - an empty batch, or a lone row on its own cache: one new batch cache merged from the lone row's
   cache (first) and the joiners' (`batch_layout.merged`);
 - a batch cache: the joiners' caches appended to it as rows (`batch_layout.extend`).
+With `segments`, rows of very different lengths go in groups of their own, each on its own
+buffer (`batch_segments`: a long prompt joining short rows re-lays none of theirs).
 Each keeps the batch cache's `aligned` fact (`batch_mask`) from lengths known on the host. A
 SpecPrefill row's cache (`PositionedKVCache` layers) merges as a plain one whose RoPE position
 runs past what it stores: its row's `offset` is its true position (`batch_layout`).
@@ -45,7 +47,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_layout, batch_mask
+from trio_mlx.engine import batch_layout, batch_mask, batch_segments
 from trio_mlx.engine.batch_prefill import can_group, choose_group, prefill_together
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.decode import PrefillPlan
@@ -162,12 +164,14 @@ def joined(
     empty: bool,
     solo: bool,
     solo_rows: bool,
+    segments: bool = False,
 ) -> tuple[list[Any], Any, bool]:
     """The batch's cache, its next step's inputs and whether it is a lone row on its own cache,
     once `joiners` (ready, in order) join a batch (`empty`, else on `cache` with `inputs`, a lone
     row's own cache when `solo`); with `solo_rows` a lone joiner into an empty batch keeps its own
-    cache (module docstring). Takes each joiner's cache (`seq.cache` becomes None); a batch cache
-    is extended in place."""
+    cache (module docstring); with `segments` rows of very different lengths go in groups of
+    their own (`batch_segments`). Takes each joiner's cache (`seq.cache` becomes None); a batch
+    cache is extended in place."""
     caches: list[list[Any]] = []
     for seq in joiners:
         assert seq.cache is not None
@@ -188,10 +192,17 @@ def joined(
             caches.insert(0, cache)
             last = mx.concatenate([inputs, last])
         lengths = [batch_mask.sequence_length(c) for c in caches]
+        grouped = batch_segments.merged(caches, lengths) if segments else None
+        if grouped is not None:
+            return grouped, last, False
         merged = batch_layout.merged(caches)
         batch_mask.adopt(merged, batch_mask.aligned_after_merge(lengths))
         return merged, last, False
     lengths = [batch_mask.sequence_length(c) for c in caches]
+    if (segments or batch_segments.segmented(cache)) and batch_segments.extend(
+        cache, caches, lengths
+    ):
+        return cache, mx.concatenate([inputs, last]), False
     joiners_aligned = batch_mask.aligned_after_merge(lengths)
     aligned = batch_mask.aligned_after_extend(cache, lengths[0] if joiners_aligned else None)
     batch_layout.extend(cache, caches)

@@ -68,7 +68,7 @@ def merged(caches: list[list[Any]]) -> list[Any]:
     out = []
     for i in range(len(caches[0])):
         layers = [c[i] for c in caches]
-        joined = _joined(None, layers) if _all_plain(layers) else None
+        joined = _joined(None, layers) if all_plain(layers) else None
         out.append(joined if joined is not None else layers[0].merge(layers))
     return out
 
@@ -78,12 +78,12 @@ def extend(batch: list[Any], caches: list[list[Any]]) -> None:
     order (module docstring)."""
     for i, layer in enumerate(batch):
         layers = [c[i] for c in caches]
-        plain = type(layer) is BatchKVCache and _all_plain(layers)
+        plain = type(layer) is BatchKVCache and all_plain(layers)
         if not plain or _joined(layer, layers) is None:
             layer.extend(layers[0].merge(layers))
 
 
-def _all_plain(layers: list[Any]) -> bool:
+def all_plain(layers: list[Any]) -> bool:
     """Plain `KVCache` layers, or a SpecPrefill row's `PositionedKVCache` ones."""
     return all(type(layer) in (KVCache, PositionedKVCache) for layer in layers)
 

@@ -10,7 +10,8 @@ step the removed rows leave the batch's cache (`left`) before it queues its forw
 - one left, with solo rows: it goes on with a cache of its own (`BatchDecoder.solo`: its step is
   the serialized route's forward pass), one copy of its keys and values;
 - else the kept rows are filtered out of the batch cache in place (`batch_layout.filter_rows`),
-  keeping its `aligned` fact (`batch_mask`) from what the host knows.
+  keeping its `aligned` fact (`batch_mask`) from what the host knows; a segmented batch's parts
+  each on their own, a part left empty dropped (`batch_segments.filter_rows`).
 
 The batched forward pass raising (or its evaluation) fails every row in it, the only requests it
 can be attributed to (`failed`); the decoder then starts again empty.
@@ -22,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from trio_mlx.engine import batch_layout, batch_mask
+from trio_mlx.engine import batch_layout, batch_mask, batch_segments
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.batch_step import RowResult
 
@@ -33,6 +34,8 @@ def row_cache(rows: list[BatchSequence], cache: list[Any], row: int, *, solo: bo
     if solo:
         return cache
     seq = rows[row]
+    if batch_segments.segmented(cache):
+        cache, row = batch_segments.locate(cache, row)
     return batch_layout.extract_row(cache, row, seq.cached_length, seq.position_shift)
 
 
@@ -51,10 +54,13 @@ def left(
         # One row left: it goes on with a cache of its own (`BatchDecoder.solo`).
         own = row_cache(rows, cache, keep[0], solo=solo)
         return [rows[keep[0]]], own, inputs[keep[0] : keep[0] + 1], True
-    aligned = batch_mask.aligned_after_filter(cache, len(keep))
     lengths = [rows[i].cached_length for i in keep]
-    batch_layout.filter_rows(cache, keep, lengths)
-    batch_mask.adopt(cache, aligned)
+    if batch_segments.segmented(cache):
+        batch_segments.filter_rows(cache, keep, lengths)  # each part keeps its own facts
+    else:
+        aligned = batch_mask.aligned_after_filter(cache, len(keep))
+        batch_layout.filter_rows(cache, keep, lengths)
+        batch_mask.adopt(cache, aligned)
     return [rows[i] for i in keep], cache, inputs[mx.array(keep)], solo
 
 
