@@ -730,11 +730,16 @@ async def run_model(
         for system in [s for s in systems if s in SERVER_SYSTEMS]:
             server = make_server(system, subject.path, logdir, args)
             model_report["systems"][system]["command"] = shlex.join(server.argv)
-            server.start(env)
             runners.servers[system] = server
-        # Start them all, then wait for each: loading overlaps.
+            if not args.start_one_by_one:
+                server.start(env)
+        # Start them all, then wait for each: loading overlaps. One by one: each is started once
+        # the one before is ready (on an 80 GB card, an 8B model loading in three servers at
+        # once beside this process's own copy ran two of them out of memory).
         for system, server in list(runners.servers.items()):
             started = time.perf_counter()
+            if args.start_one_by_one:
+                server.start(env)
             try:
                 await wait_ready(server, args.server_start_timeout_s)
             except RuntimeError as exc:
@@ -1307,6 +1312,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--cell-timeout-s", type=float, default=600)
     parser.add_argument("--server-start-timeout-s", type=float, default=600)
+    parser.add_argument(
+        "--start-one-by-one",
+        action="store_true",
+        help="start each server once the one before is ready (loads do not overlap: less memory)",
+    )
     parser.add_argument(
         "--decode-pairs",
         type=int,

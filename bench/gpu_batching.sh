@@ -13,6 +13,8 @@
 # route) for the single-stream comparison. Results in $OUT.
 # Run from the checkout root (where .whl/ is); the code measured is the one beside this script
 # (CODE), which may be a copy staged under .whl/ when the device gets another checkout.
+# HTTP_ARGS: extra arguments for trio-mlx serve (e.g. --no-cuda-graphs); SYSTEMS: which to run;
+# COMPARE_ARGS: more for bench.compare (e.g. --start-one-by-one on an 80 GB card).
 set -euo pipefail
 CODE=$(dirname "$(dirname "$(readlink -f "$0")")")
 case "${1:-}" in
@@ -75,7 +77,8 @@ if [[ -z "${NO_COMPARE:-}" ]]; then
     --systems "${SYSTEMS:-http,mlx_lm_server,vllm_mlx}" --prompt-tokens 128 --max-tokens 256 \
     --concurrency "${CONCURRENCY:-1,4,16,64}" --repeats "${REPEATS:-2}" --workdir "$WORK" \
     --cell-timeout-s 120 --server-start-timeout-s 180 "${vllm[@]}" \
-    --vllm-mlx-args=--continuous-batching --deadline-s "$deadline" \
+    --vllm-mlx-args=--continuous-batching --http-args="${HTTP_ARGS:-}" --deadline-s "$deadline" \
+    ${COMPARE_ARGS:-} \
     --out "$OUT/$stamp-$card-batching-$name${SUFFIX:-}" || true
 fi
 if [[ "${SERIAL:-1}" == 1 && "$1" == "run-1b" ]]; then
