@@ -117,10 +117,27 @@ async def alone(model_dir: Path, prompts: list[Any], **sampling: Any) -> list[li
 
 
 @pytest.mark.usefixtures("batch_pipeline")
+@pytest.mark.parametrize("mixed", [False, True], ids=["chunks-apart", "chunks-in-the-pass"])
 async def test_a_long_prompt_joins_and_leaves_decoding_rows_each_as_alone(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, mixed: bool
 ) -> None:
     monkeypatch.setattr(batch_segments, "MIN_WIDTH", 256)
+    carried_by_parts = 0
+    if mixed:  # prompt chunks ride in the decode pass (CUDA's default), sized as test_mixed_step's
+        from trio_mlx.engine import mixed_step, scheduling
+        from trio_mlx.engine.batch import BatchDecoder
+
+        monkeypatch.setattr(BatchDecoder, "mixed_prefill", True)
+        monkeypatch.setattr(scheduling, "DEFAULT_DECODE_SHARE", 1000.0)
+        monkeypatch.setattr(scheduling, "DEFAULT_MIXED_SHARE", 1000.0)
+        forward = mixed_step.forward
+
+        def counted(model: Any, inputs: Any, cache: Any, chunks: Any) -> Any:
+            nonlocal carried_by_parts
+            carried_by_parts += type(cache[0]) is SegmentedKVCache
+            return forward(model, inputs, cache, chunks)
+
+        monkeypatch.setattr(mixed_step, "forward", counted)
     rng = random.Random(11)
     long_prompt = [rng.randrange(100, 40_000) for _ in range(700)]
     shorts = ["Hello there", "Tell me about the sea", "Why is the sky blue?"]
@@ -165,3 +182,51 @@ async def test_a_long_prompt_joins_and_leaves_decoding_rows_each_as_alone(
             assert len(results["long"]) == (len(expected_long) if abort_after is None else 3)
         await assert_idle(engine)
         assert engine.get_stats()["runner"]["segmented_steps"] > 0
+    if mixed:  # the late short prompt's chunk rode in a pass over the parts
+        assert carried_by_parts > 0
+
+
+def test_a_prompt_chunk_rides_in_a_segmented_batchs_pass(tiny_model_dir: Path) -> None:
+    """`mixed_step` over rows in parts: the rows' logits are the plain step's, and the chunk's
+    cache what its own pass writes."""
+    from trio_mlx.engine import mixed_step
+    from trio_mlx.engine.batch_sequence import BatchSequence
+    from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+    from trio_mlx.engine.loading import load_model
+    from trio_mlx.types import SamplingParams
+
+    loaded = load_model(tiny_model_dir)
+    model = loaded.model
+    assert mixed_step.prepare(model)
+    rng = random.Random(9)
+    lengths = [10, 1200, 6]
+    prompts = [[rng.randrange(100, 40_000) for _ in range(n)] for n in lengths]
+    caches = _row_caches(model, prompts)
+    segmented = batch_segments.merged(caches, lengths)
+    assert segmented is not None and segmented[0].sizes == [1, 1, 1]
+    plain = batch_layout.merged(caches)
+    inputs = mx.array([rng.randrange(100, 40_000) for _ in lengths], dtype=mx.uint32)
+    prompt = tuple(rng.randrange(100, 40_000) for _ in range(40))
+    seq = BatchSequence(
+        GenerationJob(1, prompt, SamplingParams(max_tokens=1)),
+        model,
+        vocab_size=len(loaded.tokenizer),
+        plan=PrefillPlan(16),
+        max_kv_size=None,
+        cache=None,
+        cached_tokens=0,
+        split_at_store_points=False,
+    )
+    assert mixed_step.mixable(segmented, seq)
+    chunk = mixed_step.plan(seq, 16, rungs=False)
+    logits, done = mixed_step.forward(model, inputs, segmented, [chunk])
+    expected = model(inputs[:, None], cache=plain)[:, -1, :]
+    assert done[0][0] == 16 and seq.prompt_done == 16
+    assert mx.allclose(logits, expected, atol=1e-4).item()
+    alone = [KVCache() for _ in model.layers]
+    model(mx.array(prompt[:16])[None], cache=alone)
+    assert mx.allclose(seq.cache[0].keys[..., :16, :], alone[0].keys[..., :16, :], atol=1e-4).item()
+    # the parts advanced by the pass: the next plain step agrees again
+    step = mx.argmax(expected, axis=-1)
+    again = model(step[:, None], cache=segmented)[:, -1, :]
+    assert mx.allclose(again, model(step[:, None], cache=plain)[:, -1, :], atol=1e-4).item()

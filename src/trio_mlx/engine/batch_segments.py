@@ -30,8 +30,9 @@ So a long row joins with no re-layout of the others (its own cache becomes its p
 its keys and values, `batch_layout.merged`), and leaves by dropping its part; the short rows'
 part is filtered and extended on its own (`filter_rows`, `extend`), narrow. Where one part is
 left the layer is that part again, a plain `BatchKVCache`, and everything that reads plain batch
-caches (the traced batch step, prompt chunks in the decode pass, the grouped attention) does so
-again; while the batch is segmented they step the plain way (no trace, chunks apart).
+caches (the traced batch step, the grouped attention) does so again; while the batch is
+segmented they step the plain way (no trace, no grouping inside a part). Prompt chunks still
+ride in the decode pass (`mixed_step`: its layer hands the rows' part of the pass to this one).
 
 Measured (H100, 8B bf16, 16 streams, an 8,000-token prompt generating 64 tokens, three repeats
 each way, docs/benchmarks "Long rows on buffers of their own"): the others' ITL p50 while the long

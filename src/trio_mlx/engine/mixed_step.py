@@ -30,9 +30,11 @@ what its own pass gives (up to the rounding of a matrix product over more rows: 
 backend in float32, the same greedy tokens, tests).
 
 Where: `mixable` — a model whose attention reaches the dispatcher (`COMPILABLE_MODULES`) with a
-RoPE module to wrap; rows on a batch cache of plain `BatchKVCache` layers or a lone row's
-`KVCache`, no row at a rope delta (a prompt with media), no traced step; a waiting sequence whose
-chunks go through the batch's model on plain `KVCache` layers (not scoring, no media, no draft).
+RoPE module to wrap; rows on a batch cache of plain `BatchKVCache` layers (or rows in groups of
+their own buffers, `batch_segments`, whose own `attend` the rows' part goes through) or a lone
+row's `KVCache`, no row at a rope delta (a prompt with media), no traced step; a waiting
+sequence whose chunks go through the batch's model on plain `KVCache` layers (not scoring, no
+media, no draft).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from trio_mlx.engine import true_positions
 from trio_mlx.engine.batch_prefill import can_group
+from trio_mlx.engine.batch_segments import SegmentedKVCache
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.compiled_step import COMPILABLE_MODULES
 from trio_mlx.engine.decode_attention import install_dispatcher
@@ -194,7 +197,9 @@ def mixable(cache: list[Any], seq: BatchSequence) -> bool:
     if seq.media or seq.draft is not None or seq.remaining_prompt() <= 0:
         return False
     rows_kind = type(cache[0])
-    if rows_kind not in (BatchKVCache, KVCache) or any(type(c) is not rows_kind for c in cache):
+    if rows_kind not in (BatchKVCache, SegmentedKVCache, KVCache) or any(
+        type(c) is not rows_kind for c in cache
+    ):
         return False
     return all(type(c) is KVCache for c in seq.cache)
 
@@ -235,7 +240,7 @@ def forward(
     written by the same lazy graph (queued with the step)."""
     rows = int(inputs.shape[0])
     first = cache[0]
-    row_positions = first.offset if type(first) is BatchKVCache else mx.array([first.offset])
+    row_positions = first.offset if type(first) is not KVCache else mx.array([first.offset])
     parts, positions, sizes, layers = [inputs.astype(mx.uint32)], [row_positions], [], []
     for seq, n, padding in ((c.seq, c.n, c.padding) for c in chunks):
         tokens, seq_layers = seq.chunk_input(model, n, padding)
