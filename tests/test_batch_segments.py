@@ -74,17 +74,26 @@ def test_segmented_layers_give_one_buffers_logits_and_rows(tiny_model_dir: Path)
         ours = batch_layout.extract_row(part, local, length)
         theirs = batch_layout.extract_row(plain, row, length)
         assert mx.array_equal(ours[0].keys, theirs[0].keys).item()
-    # the long row leaves: its part goes, the other two stay, then one short row leaves its own
-    keep = [0, 1, 3]
+    # a short row leaves: its part stays whole, the long row's untouched
+    long_keys = segmented[0].parts[1].keys
+    keep = [1, 2, 3]
     batch_segments.filter_rows(segmented, keep, [lengths[i] + 3 for i in keep])
     batch_layout.filter_rows(plain, keep, [lengths[i] + 3 for i in keep])
-    assert segmented[0].sizes == [2, 1]
-    want = model(inputs[mx.array(keep)], cache=plain)[:, -1]
-    got = model(inputs[mx.array(keep)], cache=segmented)[:, -1]
-    assert mx.allclose(got, want, atol=1e-4).item()
-    batch_segments.filter_rows(segmented, [0, 1], [lengths[0] + 4, lengths[1] + 4])
-    assert type(segmented[0]) is BatchKVCache  # one part left: a plain batch layer again
-    assert segmented[0].keys.shape[0] == 2
+    assert segmented[0].sizes == [1, 1, 1] and segmented[0].parts[1].keys is long_keys
+    inputs = inputs[mx.array(keep)]
+    want = model(inputs, cache=plain)[:, -1]
+    assert mx.allclose(model(inputs, cache=segmented)[:, -1], want, atol=1e-4).item()
+    inputs = mx.argmax(want, axis=-1)[:, None]
+    # the long row leaves: its part goes, and the short ones either side of it step as one
+    # again (a plain batch layer)
+    keep = [0, 2]
+    kept = [lengths[1] + 4, lengths[3] + 4]
+    batch_segments.filter_rows(segmented, keep, kept)
+    batch_layout.filter_rows(plain, keep, kept)
+    assert type(segmented[0]) is BatchKVCache and segmented[0].keys.shape[0] == 2
+    inputs = inputs[mx.array(keep)]
+    want = model(inputs, cache=plain)[:, -1]
+    assert mx.allclose(model(inputs, cache=segmented)[:, -1], want, atol=1e-4).item()
 
 
 def test_a_long_joiner_gets_a_part_and_the_short_rows_buffer_is_untouched(

@@ -28,7 +28,8 @@ arithmetic (a part's mask, or none where its rows are aligned: `batch_mask`).
 
 So a long row joins with no re-layout of the others (its own cache becomes its part: one copy of
 its keys and values, `batch_layout.merged`), and leaves by dropping its part; the short rows'
-part is filtered and extended on its own (`filter_rows`, `extend`), narrow. Where one part is
+part is filtered and extended on its own (`filter_rows`, `extend`), narrow; once the long row has
+left, short parts on either side of it merge again. Where one part is
 left the layer is that part again, a plain `BatchKVCache`, and everything that reads plain batch
 caches (the traced batch step, the grouped attention) does so again; while the batch is
 segmented they step the plain way (no trace, no grouping inside a part). Prompt chunks still
@@ -249,8 +250,9 @@ def extend(cache: list[Any], caches: list[list[Any]], lengths: Sequence[int | No
 
 def filter_rows(cache: list[Any], keep: list[int], lengths: list[int]) -> None:
     """Keep the rows `keep` of a segmented batch's cache (in place); `lengths`: each kept row's
-    cached positions, in order. A part left whole is untouched, one left empty goes; where one
-    part is left, the layers are its own again."""
+    cached positions, in order. A part left whole is untouched, one left empty goes, adjacent
+    ones that one group would hold merge (`_coalesced`); where one part is left, the layers are
+    its own again."""
     parts = _parts(cache)
     kept_parts: list[list[Any]] = []
     start = 0
@@ -268,7 +270,30 @@ def filter_rows(cache: list[Any], keep: list[int], lengths: list[int]) -> None:
             batch_layout.filter_rows(part, local, part_lengths)
             batch_mask.adopt(part, aligned)
         kept_parts.append(part)
-    _assemble(cache, kept_parts)
+    _assemble(cache, _coalesced(kept_parts))
+
+
+def _coalesced(parts: list[list[Any]]) -> list[list[Any]]:
+    """Adjacent parts merged where one group would hold them (`starts_group`'s rule for the two
+    groups: both narrow, or together at most `MAX_GROWTH` times apart): once a long row has
+    left, the short groups before and after it step as one again (mlx-lm's `extend`, narrow)."""
+    out = [parts[0]]
+    for part in parts[1:]:
+        last = out[-1]
+        rows, width = rows_of(last[0]), int(last[0]._idx)
+        other_rows, other_width = rows_of(part[0]), int(part[0]._idx)
+        together = (rows + other_rows) * max(width, other_width)
+        apart = rows * width + other_rows * other_width
+        if max(width, other_width) >= MIN_WIDTH and together > MAX_GROWTH * apart:
+            out.append(part)
+            continue
+        aligned = batch_mask.aligned_after_extend(
+            last, other_width if batch_mask.is_aligned(part) else None
+        )
+        for layer, other in zip(last, part, strict=True):
+            layer.extend(other)
+        batch_mask.adopt(last, aligned)
+    return out
 
 
 def locate(cache: Sequence[Any], row: int) -> tuple[list[Any], int]:
