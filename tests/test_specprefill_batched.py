@@ -30,8 +30,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 import trio_mlx
 from servers import eventually
 from tiny_model import build_tiny_model
-from trio_mlx.engine import batch_layout
+from trio_mlx.engine import batch_layout, batch_segments
 from trio_mlx.engine.batch import BatchDecoder, RowResult
+from trio_mlx.engine.batch_segments import SegmentedKVCache
 from trio_mlx.engine.batch_specprefill import SpecPrefillRow
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
 from trio_mlx.engine.loading import LoadedModel, load_model
@@ -187,11 +188,14 @@ def test_a_lone_sparse_row_joined_and_left_keeps_its_true_positions(
 
 
 @pytest.mark.usefixtures("batch_pipeline")
+@pytest.mark.parametrize("segments", [False, True], ids=["one-buffer", "a-part-of-its-own"])
 def test_a_sparse_row_joining_a_decoding_batch_keeps_its_true_positions(
-    target: LoadedModel, scorer: LoadedModel
+    target: LoadedModel, scorer: LoadedModel, monkeypatch: pytest.MonkeyPatch, segments: bool
 ) -> None:
     """Scored and prefilled while two rows decode (one chunk a pass), appended to their batch
-    cache, the last row left: the serialized route's tokens; theirs are mlx-lm's alone."""
+    cache (or, wide enough, joining as a part of its own: `batch_segments`), the last row left:
+    the serialized route's tokens; theirs are mlx-lm's alone."""
+    monkeypatch.setattr(batch_segments, "MIN_WIDTH", 64 if segments else 10**9)
     prompt = long_prompt(300, seed=2)
     expected = serialized(target, scorer, prompt, 40)
     drive = Driver(target, scorer)
@@ -208,7 +212,8 @@ def test_a_sparse_row_joining_a_decoding_batch_keeps_its_true_positions(
     # scoring (300 - 32 tokens, then the window) and the sparse prefill, one chunk a pass, with a
     # decode step of the others each
     assert passes >= 5 + 2
-    assert len(drive.batch.rows) == 3 and type(drive.batch._cache[0]) is BatchKVCache
+    kind = SegmentedKVCache if segments else BatchKVCache
+    assert len(drive.batch.rows) == 3 and type(drive.batch._cache[0]) is kind
     drive.run_until(lambda: not drive.batch.busy)
     assert drive.tokens[2] == alone(target, SHORT, 30)
     assert drive.tokens[3] == alone(target, MIDDLE, 12)

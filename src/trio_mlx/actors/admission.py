@@ -104,7 +104,9 @@ class AdmissionBook:
         row costs what the widest does: on an 8B model an 8,000-token request joining 16 short
         ones holds 17 rows of 8,000 positions, 18 GB, where their own caches hold 1.1 GB. A
         sum of each request's own limit would let one long request among many short ones past
-        the budget, and the join would run the device out of memory."""
+        the budget, and the join would run the device out of memory. (A long prompt joining
+        short rows gets a buffer of its own, `batch_segments`, but a short prompt with a large
+        `max_tokens` grows its group's buffer to its width as it decodes: the bound stays.)"""
         limits = list(self._reserved.values())
         if kv_bytes is not None:
             limits.append(kv_bytes)

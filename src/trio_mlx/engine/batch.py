@@ -41,8 +41,10 @@ Per sequence, as on the serialized route (`decode.ActiveSequence`): its own toke
 batched argmax), its EOS set and `max_tokens`; a row continuing a prompt with media, its own
 positions (`BatchSequence.rope_delta`, `multimodal.joining`).
 
-Rows of very different lengths (a long prompt joined short ones) attend in two groups, the short
-rows over only the columns they use (`ragged_attention`), not every row over the longest's width.
+Rows of very different lengths (a long prompt joined short ones) sit in groups of their own, each
+on its own buffer (`batch_segments`: a long row joins and leaves without re-laying the others'
+caches); within one buffer, rows of very different lengths attend in two groups, the short rows
+over only the columns they use (`ragged_attention`), not every row over the longest's width.
 
 Constrained rows (a job with a `grammar`: each row its own `GrammarMatcher`) are chosen after
 the previous step is read, their masks computed while the device runs the step
