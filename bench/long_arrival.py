@@ -13,7 +13,8 @@ arrives (`max_tokens` 1, or `--long-max-tokens`) and the gaps are recorded until
 token, while it decodes among them (`with_long_*`, with `--long-max-tokens` over 1), and for
 `--after-s` seconds after it ended. Reported per repeat: the baseline ITL p50, the ITL p50 /
 p99 / max of the running streams while the long prompt prefilled, the ratio p99 during / p50
-baseline, the long prompt's time to first token and the prefill chunks it took. Gaps are
+baseline, the long prompt's time to first token and the prefill chunks it took, the slowest gap
+after it ended (its leave) and the batch's KV memory at its largest while it decoded. Gaps are
 measured where the tokens arrive (the consumer's task), so they include the event loop's own
 delays.
 Random weights: speed only.
@@ -119,6 +120,7 @@ async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -
                 base_steps = list(counters.recent_steps)
                 arrived = time.perf_counter()
                 steps_before = counters.steps
+                kv_peak = counters.kv_bytes  # the batch's KV memory (`BatchDecoder.kv_bytes`)
                 if args.long_max_tokens == 1:
                     out = await engine.generate(long_prompt, max_tokens=1, temperature=0)
                     first = long_done = time.perf_counter()
@@ -134,6 +136,7 @@ async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -
                         logit_bias=ban_eos,
                     )
                     async for out in stream:
+                        kv_peak = max(kv_peak, counters.kv_bytes)
                         if not long_tokens:
                             first = time.perf_counter()
                             recent = list(counters.recent_steps)
@@ -164,6 +167,8 @@ async def one_repeat(loaded: LoadedModel, args: argparse.Namespace, seed: int) -
                     "with_long_itl_p50_ms": 1e3 * statistics.median(with_long or [0.0]),
                     "with_long_itl_p99_ms": 1e3 * percentile(with_long, 0.99),
                     "long_tokens": long_tokens,
+                    # the batch's caches at their largest while the long row decoded in it
+                    "kv_gb_peak_with_long": kv_peak / 1e9,
                     "with_long_itl_max_ms": 1e3 * max(with_long or [0.0]),
                     # the long row's leave falls here (its cache's buffers freed)
                     "after_itl_p50_ms": 1e3 * statistics.median(after or [0.0]),
