@@ -7,6 +7,8 @@
 # chunks apart and in the decode step's pass, then bench.prefill_chunks' bucketed and mixed.
 # sampled (same host, MODEL as above): bench.sampled_rows, a step's graph and time with 1/16/64
 # sampled rows drawn together against row by row, with MLX's CUDA graphs on, then off.
+# rows-sweep (same host, MODEL as above): bench.batch_ceiling at B = 1, 8-64 (BATCHES), graphs
+# on then off.
 # run-1b: the bare batched step ceiling (bench/batch_ceiling.py) at B = 1/4/16/64, then
 # bench.compare through HTTP at 1/4/16/64 streams beside mlx_lm.server and vllm-mlx
 # --continuous-batching, then trio-mlx alone at 1 stream with --max-num-seqs 1 (the serialized
@@ -28,8 +30,9 @@ case "${1:-}" in
   run-1b) model=synthetic:llama-1b-bf16; name=llama-1b-bf16; deadline=${DEADLINE:-300} ;;
   run-8b) model=synthetic:llama-8b-bf16; name=llama-8b-bf16; deadline=${DEADLINE:-330} ;;
   run-8b-q4) model=synthetic:llama-8b-q4; name=llama-8b-q4; deadline=${DEADLINE:-330} ;;
-  long-arrival|sampled) model=${MODEL:-synthetic:llama-8b-bf16}; name=${model#synthetic:} ;;
-  *) echo "usage: $0 stash | run-1b | run-8b | run-8b-q4 | long-arrival | sampled" >&2; exit 2 ;;
+  long-arrival|sampled|rows-sweep) model=${MODEL:-synthetic:llama-8b-bf16}; name=${model#synthetic:} ;;
+  *) echo "usage: $0 stash | run-1b | run-8b | run-8b-q4 | long-arrival | sampled | rows-sweep" >&2
+     exit 2 ;;
 esac
 : "${OUT:?OUT must name the folder for the results}"
 if ! PYTHONPATH=/tmp/site python3 -c 'import mlx.core' 2>/dev/null; then bash .whl/2/on-gpu-host install; fi
@@ -46,6 +49,17 @@ card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
 vllm=(--vllm-python none)
 [[ -x /tmp/vllm-python ]] && vllm=(--vllm-python /tmp/vllm-python)
 cd "$CODE"
+if [[ "$1" == rows-sweep ]]; then
+  # The bare batched step and BatchDecoder's at batch sizes around 16, with CUDA graphs on then
+  # off: bench.sampled_rows stepped 16 rows of the 8B in 15.8 ms and 64 in 9.6-10.4 (H100,
+  # 2026-12-06, one process), a lead to a slow path at some row counts.
+  for graphs in 1 0; do
+    MLX_USE_CUDA_GRAPHS=$graphs timeout 250 python3 -m bench.batch_ceiling --model "$model" \
+      --batch "${BATCHES:-1,8,12,16,17,24,32,48,64}" --workdir "$WORK" \
+      --out "$OUT/$stamp-$card-rows-sweep-$name-graphs-$graphs.json" | tail -12 || true
+  done
+  exit 0
+fi
 if [[ "$1" == sampled ]]; then
   for graphs in 1 0; do
     MLX_USE_CUDA_GRAPHS=$graphs timeout -s INT 250 python3 -m bench.sampled_rows --model "$model" \
