@@ -29,10 +29,10 @@ arithmetic (a part's mask, or none where its rows are aligned: `batch_mask`).
 So a long row joins with no re-layout of the others (its own cache becomes its part: one copy of
 its keys and values, `batch_layout.merged`), and leaves by dropping its part; the short rows'
 part is filtered and extended on its own (`filter_rows`, `extend`), narrow; once the long row has
-left, short parts on either side of it merge again. Where one part is
-left the layer is that part again, a plain `BatchKVCache`, and everything that reads plain batch
-caches (the traced batch step, the grouped attention) does so again; while the batch is
-segmented they step the plain way (no trace, no grouping inside a part). Prompt chunks still
+left, short parts on either side of it merge again. Where one part is left the layer is that
+part again, a plain `BatchKVCache`, and everything that reads plain batch caches (the traced
+batch step, the grouped attention) does so again; while the batch is segmented they step the
+plain way (no trace, no grouping inside a part). Prompt chunks still
 ride in the decode pass (`mixed_step`: its layer hands the rows' part of the pass to this one).
 
 Measured (H100, 8B bf16, 16 streams, an 8,000-token prompt generating 64 tokens, three repeats
@@ -44,7 +44,7 @@ time is MLX capturing graphs of a new topology on the host, which segments do no
 Rows keep their order: joiners are appended, the last part taking those it can, new parts after
 it; at most `MAX_PARTS` parts, after which the last takes every joiner. Used only where the
 model's attention reaches the dispatcher (`supported`) and every layer is a plain key-value cache
-(no rotating window, no recurrent state); the batch then lays out as before.
+(no rotating window, no recurrent state); elsewhere the batch lays out in one buffer as before.
 """
 
 from __future__ import annotations
