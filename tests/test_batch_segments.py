@@ -242,3 +242,25 @@ def test_a_prompt_chunk_rides_in_a_segmented_batchs_pass(tiny_model_dir: Path) -
     step = mx.argmax(expected, axis=-1)
     again = model(step[:, None], cache=segmented)[:, -1, :]
     assert mx.allclose(again, model(step[:, None], cache=plain)[:, -1, :], atol=1e-4).item()
+
+
+def test_joiners_with_nothing_cached_join_a_segmented_batch(tiny_model_dir: Path) -> None:
+    """A part of rows holding no position yet (one-token prompts: nothing cached before their
+    first step) takes joiners as mlx-lm's own `extend` does; the step then gives the one
+    buffer's logits."""
+    from trio_mlx.engine.loading import load_model
+
+    model = load_model(tiny_model_dir).model
+    install_dispatcher(COMPILABLE_MODULES)
+    rng = random.Random(4)
+    long = _row_caches(model, [[rng.randrange(100, 40_000) for _ in range(1300)]])
+    empty = [[KVCache() for _ in model.layers] for _ in range(2)]
+    cache = batch_layout.merged([*long])
+    assert batch_segments.extend(cache, [empty[0]], [0])  # a part of its own, holding nothing
+    assert type(cache[0]) is SegmentedKVCache and cache[0].parts[1].keys is None
+    assert batch_segments.extend(cache, [empty[1]], [0])  # into that part, before any step
+    assert cache[0].sizes == [1, 2]
+    plain = batch_layout.merged([*long, *empty])
+    inputs = mx.array([[5], [6], [7]])
+    want = model(inputs, cache=plain)[:, -1]
+    assert mx.allclose(model(inputs, cache=cache)[:, -1], want, atol=1e-4).item()

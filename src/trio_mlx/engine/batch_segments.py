@@ -226,7 +226,7 @@ def extend(cache: list[Any], caches: list[list[Any]], lengths: Sequence[int | No
     cached positions."""
     parts = _parts(cache)
     last = parts[-1]
-    if not _plain(last) or last[0].keys is None:
+    if not _plain(last):
         return False
     if not all(batch_layout.all_plain(c) for c in caches):
         return False
