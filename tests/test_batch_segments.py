@@ -264,3 +264,26 @@ def test_joiners_with_nothing_cached_join_a_segmented_batch(tiny_model_dir: Path
     inputs = mx.array([[5], [6], [7]])
     want = model(inputs, cache=plain)[:, -1]
     assert mx.allclose(model(inputs, cache=cache)[:, -1], want, atol=1e-4).item()
+
+
+def test_the_parts_offsets_follow_the_layers_without_a_chain_of_additions() -> None:
+    """Each pass advances the parts' RoPE positions as views of the layer's own (which the next
+    pass evaluates): after many passes a part's offsets are right and their graph shallow."""
+    import re
+    import tempfile
+
+    rows = [KVCache() for _ in range(3)]
+    for i, row in enumerate(rows):
+        n = 5 if i != 1 else 1500
+        row.update_and_fetch(mx.zeros((1, 2, n, 8)), mx.zeros((1, 2, n, 8)))
+    layer = batch_segments.merged([[r] for r in rows], [5, 1500, 5])
+    assert layer is not None
+    segmented = layer[0]
+    for _ in range(200):
+        mx.eval(segmented.offset)  # what the model's RoPE does each pass
+        segmented.update_and_fetch(mx.zeros((3, 2, 1, 8)), mx.zeros((3, 2, 1, 8)))
+    with tempfile.NamedTemporaryFile(suffix=".dot") as out:  # before reading them evaluates them
+        mx.export_to_dot(out.name, segmented.parts[0].offset)
+        operations = len(re.findall(r'label ="[A-Za-z]', Path(out.name).read_text()))
+    assert operations < 10  # 400 as a chain (an addition and a broadcast a pass)
+    assert [p.offset.tolist() for p in segmented.parts] == [[205], [1700], [205]]

@@ -110,6 +110,13 @@ class SegmentedKVCache:
             start = stop
         self._fetched = fetched
         self.offset = self.offset + keys.shape[2]
+        # Each part's offsets as views of the layer's, which the next pass's RoPE evaluates:
+        # the parts' own (advanced by their `update_and_fetch`) are read by nothing until a row
+        # leaves or joins, and would grow a chain of one addition a pass until then.
+        start = 0
+        for part, n in zip(self.parts, self.sizes, strict=True):
+            part.offset = self.offset[start : start + n]
+            start += n
         return keys, values
 
     def attend(self, queries: Any, keys: Any, values: Any, scale: float, mask: Any) -> Any:
