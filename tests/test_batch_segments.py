@@ -111,6 +111,8 @@ def test_a_long_joiner_gets_a_part_and_the_short_rows_buffer_is_untouched(
     assert batch_segments.extend(cache, joiners, [1300, 7])
     assert type(cache[0]) is SegmentedKVCache and cache[0].sizes == [2, 1, 1]
     assert cache[0].parts[0].keys is before  # the short rows were not re-laid
+    # the long row's part is its own cache's buffers, not a copy of them
+    assert cache[0].parts[1].keys is joiners[0][0].keys
     # a joiner that fits the last group joins it: no new part
     late = _row_caches(model, [[rng.randrange(100, 40_000) for _ in range(9)]])
     assert batch_segments.extend(cache, late, [9])
