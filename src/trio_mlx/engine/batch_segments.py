@@ -163,10 +163,17 @@ def segmented(cache: Sequence[Any]) -> bool:
 def starts_group(rows: int, width: int, length: int) -> bool:
     """Whether a joiner holding `length` positions starts a group of its own rather than join a
     group of `rows` rows `width` wide (module docstring)."""
-    if max(width, length) < MIN_WIDTH:
+    return _apart(rows, width, 1, length)
+
+
+def _apart(rows: int, width: int, other_rows: int, other_width: int) -> bool:
+    """Whether two groups (rows, width each) stay on buffers of their own: one of them at least
+    `MIN_WIDTH` wide, and together they would hold more than `MAX_GROWTH` times the positions
+    they hold apart."""
+    if max(width, other_width) < MIN_WIDTH:
         return False
-    together = (rows + 1) * max(width, length)
-    apart = rows * width + length
+    together = (rows + other_rows) * max(width, other_width)
+    apart = rows * width + other_rows * other_width
     return together > MAX_GROWTH * apart
 
 
@@ -209,14 +216,18 @@ def _groups(
     return groups
 
 
-def _new_part(caches: list[list[Any]]) -> list[Any]:
-    """A new part of these sequences' caches (`batch_layout.merged`); one sequence on plain
-    `KVCache` layers becomes a one-row part on its own buffers, not a copy of them: a long
-    prompt's part is its prefill's cache, so its join neither copies nor allocates its keys
-    and values again (~1 GB on the 8B at 8,000 positions)."""
+def _new_part(caches: list[list[Any]], lengths: list[int | None]) -> list[Any]:
+    """A new part of these sequences' caches (`batch_layout.merged`), holding `lengths`
+    positions each, with its `aligned` fact (`batch_mask`); one sequence on plain `KVCache`
+    layers becomes a one-row part on its own buffers, not a copy of them: a long prompt's part
+    is its prefill's cache, so its join neither copies nor allocates its keys and values again
+    (~1 GB on the 8B at 8,000 positions)."""
     if len(caches) == 1 and all(type(c) is KVCache and c.keys is not None for c in caches[0]):
-        return [_adopted(layer) for layer in caches[0]]
-    return batch_layout.merged(caches)
+        part = [_adopted(layer) for layer in caches[0]]
+    else:
+        part = batch_layout.merged(caches)
+    batch_mask.adopt(part, batch_mask.aligned_after_merge(lengths))
+    return part
 
 
 def _adopted(layer: Any) -> BatchKVCache:
@@ -240,9 +251,7 @@ def merged(caches: list[list[Any]], lengths: Sequence[int | None]) -> list[Any] 
     groups = _groups(lengths)
     if len(groups) == 1:
         return None
-    parts = [_new_part([caches[i] for i in group]) for group in groups]
-    for part, group in zip(parts, groups, strict=True):
-        batch_mask.adopt(part, batch_mask.aligned_after_merge([lengths[i] for i in group]))
+    parts = [_new_part([caches[i] for i in g], [lengths[i] for i in g]) for g in groups]
     out: list[Any] = []
     _assemble(out, parts)
     return out
@@ -255,9 +264,7 @@ def extend(cache: list[Any], caches: list[list[Any]], lengths: Sequence[int | No
     cached positions."""
     parts = _parts(cache)
     last = parts[-1]
-    if not _plain(last):
-        return False
-    if not all(batch_layout.all_plain(c) for c in caches):
+    if not _plain(last) or not all(batch_layout.all_plain(c) for c in caches):
         return False
     groups = _groups(lengths, rows_of(last[0]), int(last[0]._idx), len(parts))
     if len(groups) == 1 and len(parts) == 1:
@@ -270,9 +277,7 @@ def extend(cache: list[Any], caches: list[list[Any]], lengths: Sequence[int | No
         batch_layout.extend(last, [caches[i] for i in groups[0]])
         batch_mask.adopt(last, aligned)
     for group in groups[1:]:
-        part = _new_part([caches[i] for i in group])
-        batch_mask.adopt(part, batch_mask.aligned_after_merge([lengths[i] for i in group]))
-        parts.append(part)
+        parts.append(_new_part([caches[i] for i in group], [lengths[i] for i in group]))
     _assemble(cache, parts)
     return True
 
@@ -303,17 +308,15 @@ def filter_rows(cache: list[Any], keep: list[int], lengths: list[int]) -> None:
 
 
 def _coalesced(parts: list[list[Any]]) -> list[list[Any]]:
-    """Adjacent parts merged where one group would hold them (`starts_group`'s rule for the two
-    groups: both narrow, or together at most `MAX_GROWTH` times apart): once a long row has
-    left, the short groups before and after it step as one again (mlx-lm's `extend`, narrow)."""
+    """Adjacent parts merged where one group would hold them (`_apart`, the rule `starts_group`
+    applies to a joiner: both narrow, or together at most `MAX_GROWTH` times apart): once a long
+    row has left, the short groups before and after it step as one again (mlx-lm's `extend`,
+    narrow)."""
     out = [parts[0]]
     for part in parts[1:]:
         last = out[-1]
-        rows, width = rows_of(last[0]), int(last[0]._idx)
-        other_rows, other_width = rows_of(part[0]), int(part[0]._idx)
-        together = (rows + other_rows) * max(width, other_width)
-        apart = rows * width + other_rows * other_width
-        if max(width, other_width) >= MIN_WIDTH and together > MAX_GROWTH * apart:
+        other_width = int(part[0]._idx)
+        if _apart(rows_of(last[0]), int(last[0]._idx), rows_of(part[0]), other_width):
             out.append(part)
             continue
         aligned = batch_mask.aligned_after_extend(
