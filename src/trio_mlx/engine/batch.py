@@ -318,8 +318,9 @@ class BatchDecoder:
         rows = list(self.rows)
         spent = spent_rows(rows, self._queued)
         feed(rows)
-        self.segmented_steps += batch_segments.segmented(self._cache)
-        if self.ragged_attention and not self.solo:
+        segmented = batch_segments.segmented(self._cache)
+        self.segmented_steps += segmented
+        if self.ragged_attention and not self.solo and not segmented:
             # the positions each row holds once this step has written: a row whose previous
             # step is in flight (not yet read) has that step's token still to count
             in_flight = {id(seq) for seq in self._queued.rows} if self._queued else set()
