@@ -21,6 +21,9 @@ Greedy decoding, one request at a time, each variant interleaved with the others
   it always agrees with the draft
   (acceptance 1 at the draft's cost: the ceiling a perfect draft of that size reaches; the
   target's forward pass is the real one, a bias on the drafted token is added to its logits);
+  with `--draft-layers N[,N...]`, also the self-draft (`engine/self_draft.py`: the target's
+  first N layers) at its measured acceptance (`engine_layersN_draft`) and with the agreeing
+  target (`engine_layersN_oracle`: the ceiling of that cut), and its one-token step in `verify`;
 - `raw`: mlx-lm's own `generate_step` and `speculative_generate_step` on the same models
   (mlx-lm's acceptance counts tokens flagged as coming from the draft);
 - `server` (`--servers`): `mlx_lm.server` without and with `--draft-model` (`--num-draft-tokens
@@ -296,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-oracle", action="store_true", help="skip the agreeing target")
     parser.add_argument("--no-self", action="store_true", help="skip the self-draft")
     parser.add_argument(
+        "--draft-layers",
+        default="",
+        help="also the target's first N layers as its draft, for each N of a comma-separated "
+        "list (engine/self_draft.py)",
+    )
+    parser.add_argument(
         "--no-batched", action="store_true", help="skip the batched route (max_num_seqs 64)"
     )
     parser.add_argument(
@@ -321,6 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(mx.default_device()),
     }
     costs = verify_costs(target.model, draft.model, k, args.context, args.repeats)
+    cuts: dict[int, LoadedModel] = {}
+    for n in (int(x) for x in args.draft_layers.split(",") if x):
+        from trio_mlx.engine.self_draft import self_draft
+
+        cuts[n] = self_draft(target, n)
+        costs[f"draft_layers{n}_1_ms"] = verify_costs(
+            target.model, cuts[n].model, k, args.context, args.repeats
+        )["draft_1_ms"]
+    report["draft_layers"] = sorted(cuts)
     report["verify"] = costs
     report["projection"] = projection(costs, k, [0.5, 0.6, 0.7, 0.8, 0.9])
     print(json.dumps({"verify": costs, "projection": report["projection"]}, indent=1), flush=True)
@@ -347,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_oracle:
         variants["engine_oracle_draft"] = lambda: trio.run(
             engine_decode, agreeing, draft, k, args.tokens, args.temperature
+        )
+    for n, cut in cuts.items():
+        variants[f"engine_layers{n}_draft"] = lambda cut=cut: trio.run(
+            engine_decode, target, cut, k, args.tokens, args.temperature
+        )
+        variants[f"engine_layers{n}_oracle"] = lambda cut=cut: trio.run(
+            engine_decode, agreeing, cut, k, args.tokens, args.temperature
         )
     if not args.no_raw:
         tok = target.tokenizer

@@ -221,10 +221,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(speculative decoding; lossless; only while one request decodes; not with --max-kv-size)",
     )
     parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="self-speculative decoding: the model's own first N layers (then its norm and head) "
+        "draft for it; no second model, lossless; how often they agree depends on the "
+        "checkpoint (not with --draft-model, --mtp or --max-kv-size)",
+    )
+    parser.add_argument(
         "--num-draft-tokens",
         type=int,
         default=4,
-        help="tokens the draft model proposes per step (default: 4)",
+        help="tokens the draft model (or --draft-layers) proposes per step (default: 4)",
     )
     parser.add_argument(
         "--mtp",

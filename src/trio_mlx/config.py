@@ -79,6 +79,11 @@ class EngineConfig:
       (speculative decoding, lossless: `engine/speculative.py`). On the batched route it drafts
       only while one sequence decodes. Cannot be combined with `max_kv_size` (a rotating cache
       cannot be cut back after a refused draft). None: no draft.
+    - `draft_layers`: self-speculative decoding: the target's own first `draft_layers` layers,
+      then its final norm and head, draft `num_draft_tokens` tokens a step (no second model,
+      no copied weights; a KV cache of those layers of its own: `engine/self_draft.py`), verified
+      as a draft model's are. How often they agree depends on the checkpoint. Not with
+      `draft_model`, `mtp` or `max_kv_size`. None: no self-draft.
     - `mtp`: native multi-token prediction: the model's own MTP head (checkpoints of DeepSeek-V3,
       GLM-4.5/4.6 MoE, GLM-4.7-Flash or MiMo that carry `num_nextn_predict_layers` weights,
       which mlx-lm drops and this engine keeps: `engine/mtp.py`) drafts `mtp_num_draft_tokens`
@@ -164,6 +169,7 @@ class EngineConfig:
     mllm_draft_block_size: int | None = None
     media: MediaPolicy = field(default_factory=MediaPolicy)
     draft_model: str | Path | None = None
+    draft_layers: int | None = None
     num_draft_tokens: int = 4
     mtp: bool = False
     mtp_num_draft_tokens: int = 4
@@ -233,6 +239,18 @@ class EngineConfig:
             raise ValueError("mtp_num_draft_tokens must be >= 1")
         if self.mtp and self.draft_model is not None:
             raise ValueError("mtp cannot be combined with draft_model: one drafter at a time")
+        if self.draft_layers is not None:
+            if self.draft_layers < 1:
+                raise ValueError("draft_layers must be >= 1")
+            if self.draft_model is not None or self.mtp:
+                raise ValueError(
+                    "draft_layers cannot be combined with draft_model or mtp: one drafter at a time"
+                )
+            if self.max_kv_size is not None:
+                raise ValueError(
+                    "draft_layers cannot be combined with max_kv_size: speculative decoding cuts "
+                    "the KV cache back after refused drafts, which a rotating cache cannot do"
+                )
         if self.mtp and self.max_kv_size is not None:
             raise ValueError(
                 "mtp cannot be combined with max_kv_size: speculative decoding cuts the "

@@ -147,13 +147,21 @@ def engine_stats(
     }
 
 
+def _drafter_name(config: EngineConfig) -> str:
+    if config.mtp:
+        return "mtp"
+    if config.draft_layers is not None:
+        return f"self:{config.draft_layers}"  # the target's first layers
+    return str(config.draft_model)
+
+
 def speculative_stats(config: EngineConfig, runner: Runner) -> dict[str, Any] | None:
     """Speculative decoding's drafter, draft length and counters (None without a drafter)."""
     speculator = runner.speculator
     if speculator is None:
         return None
     return {
-        "draft_model": "mtp" if config.mtp else str(config.draft_model),
+        "draft_model": _drafter_name(config),
         "num_draft_tokens": speculator.num_draft_tokens,
         **speculator.counters.statistics(),
     }

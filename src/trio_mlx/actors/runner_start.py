@@ -3,12 +3,13 @@
 Two steps, both on the runner thread (they make MLX objects), with the runner's stop check
 between them (a load cannot be interrupted; what follows it is skipped when the engine closed
 meanwhile: see `Runner._run_thread`):
-1. `load_models`: the target model (with its MTP head for native MTP), the draft model or the
-   MTP drafter, and SpecPrefill's scoring model (the draft's own when both name the same
-   model), each checked against the target (`speculative.check_draft`); on a vision-language
-   model, the mlx-vlm drafter of its requests with media (`multimodal.drafted`, checked by
-   mlx-vlm and one short drafted generation). Raises the load's error (`ModelLoadError`),
-   which `Runner.run` raises before `started`.
+1. `load_models`: the target model (with its MTP head for native MTP), the draft model, the
+   self-draft (the target's first layers: `engine/self_draft.py`) or the MTP drafter, and
+   SpecPrefill's scoring model (the draft's own when both name the same model), each checked
+   against the target (`speculative.check_draft`); on a vision-language model, the mlx-vlm
+   drafter of its requests with media (`multimodal.drafted`, checked by mlx-vlm and one short
+   drafted generation). Raises the load's error (`ModelLoadError`), which `Runner.run` raises
+   before `started`.
 2. `prepare_serving`: the fast decode step (`fast_decode.prepare_fast_decode`: fused projections,
    quantized layers dequantizing for many rows, the traced step; none with a drafter, whose
    steps verify several tokens), the same routing for the scoring model, the `ModelInfo`,
@@ -37,6 +38,7 @@ from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.mtp import MtpDrafter
 from trio_mlx.engine.quantized_rows import apply_threshold
 from trio_mlx.engine.scheduling import PrefillPacer
+from trio_mlx.engine.self_draft import self_draft
 from trio_mlx.engine.speculative import Speculator, check_draft
 from trio_mlx.errors import ModelLoadError
 from trio_mlx.multimodal.drafted import load_media_drafter
@@ -63,6 +65,8 @@ class StartOptions:
     #: rows from which quantized layers dequantize (`quantized_rows`; None: the backend's default)
     dequantize_from_rows: int | None
     draft_model: str | Path | None
+    #: a self-draft: the target's first layers draft for it (`engine/self_draft.py`)
+    draft_layers: int | None
     #: native MTP: the model's own multi-token-prediction head drafts (`engine/mtp.py`)
     mtp: bool
     #: tokens drafted a step (the MTP head's when `mtp`, else the draft model's)
@@ -122,6 +126,9 @@ def load_models(options: StartOptions) -> LoadedModels:
         check_draft(loaded, loaded, options.max_kv_size)  # the target's cache must trim
     elif options.draft_model is not None:
         draft = loader(options.draft_model)
+        check_draft(loaded, draft, options.max_kv_size)
+    elif options.draft_layers is not None:
+        draft = self_draft(loaded, options.draft_layers)
         check_draft(loaded, draft, options.max_kv_size)
     scorer: Any = None
     if options.specprefill_model is not None:

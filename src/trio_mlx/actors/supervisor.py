@@ -78,6 +78,7 @@ async def _serve(
         dequantize_from_rows=cfg.dequantize_from_rows,
         loader=loader,
         draft_model=cfg.draft_model,
+        draft_layers=cfg.draft_layers,
         num_draft_tokens=cfg.num_draft_tokens,
         mtp=cfg.mtp,
         mtp_num_draft_tokens=cfg.mtp_num_draft_tokens,

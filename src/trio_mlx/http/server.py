@@ -220,6 +220,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if draft:
         engine_options["draft_model"] = Path(draft) if Path(draft).exists() else draft
         engine_options["num_draft_tokens"] = args.num_draft_tokens
+    draft_layers = getattr(args, "draft_layers", None)
+    if draft_layers is not None:
+        engine_options["draft_layers"] = draft_layers
+        engine_options["num_draft_tokens"] = args.num_draft_tokens
     if getattr(args, "mtp", False):
         engine_options["mtp"] = True
         engine_options["mtp_num_draft_tokens"] = args.mtp_num_draft_tokens

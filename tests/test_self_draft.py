@@ -1,0 +1,181 @@
+"""Self-speculative decoding (`engine/self_draft.py`, `draft_layers`): the target's own first
+layers draft for it.
+
+The cut shares the target's weights and exits early; greedy output with it is the target's own,
+token for token, on both routes; where the layers past the cut change nothing (their residual
+contributions zeroed) every drafted token is accepted; an abort mid-stream leaves the engine
+serving; bad settings are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+import trio_mlx
+from servers import eventually
+from tiny_model import build_tiny_model
+from trio_mlx.cli import build_parser
+from trio_mlx.engine.loading import load_model
+from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.self_draft import first_layers
+from trio_mlx.errors import ModelLoadError
+from trio_mlx.http.server import settings_from_args
+
+PROMPTS = ["Hello there, how", "The quick brown fox jumps over the lazy dog because"]
+ROUTES = pytest.mark.parametrize("max_num_seqs", [1, 4], ids=["serialized", "batched"])
+GREEDY = {"max_tokens": 24, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 4-layer tiny llama: a cut after 2 or 3 layers agrees with it on some tokens."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "deep", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def idle_tail_dir(deep_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 4-layer model with layers 1-3 adding nothing to the residual stream (their output
+    projections zeroed): a cut after the first layer computes exactly the whole model."""
+    out = tmp_path_factory.mktemp("models") / "idle-tail"
+    out.mkdir(parents=True, exist_ok=True)
+    for item in deep_model_dir.iterdir():
+        if item.name != "model.safetensors":
+            (out / item.name).write_bytes(item.read_bytes())
+    weights = mx.load(str(deep_model_dir / "model.safetensors"))
+    assert isinstance(weights, dict)
+    for name in list(weights):
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer not in (None, "0") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
+async def plain(model: Path, prompts: list[str], **sampling: Any) -> list[Any]:
+    async with trio_mlx.open_engine(model, max_num_seqs=1) as engine:
+        return [await engine.generate(p, **sampling) for p in prompts]
+
+
+def test_the_cut_shares_the_targets_weights_and_exits_early(deep_model_dir: Path) -> None:
+    loaded = load_model(deep_model_dir)
+    target = loaded.model
+    cut = first_layers(target, 2)
+    assert len(target.model.layers) == 4  # the target is untouched
+    assert [id(x) for x in cut.model.layers] == [id(x) for x in target.model.layers[:2]]
+    weights = {id(v) for _, v in tree_flatten(target.parameters())}
+    assert all(id(v) in weights for _, v in tree_flatten(cut.parameters()))  # no copy
+    assert len(make_cache(cut)) == 2
+    tokens = mx.array([[5, 17, 300, 9]], dtype=mx.uint32)
+    h = target.model.embed_tokens(tokens)
+    mask = "causal"
+    for layer in target.model.layers[:2]:
+        h = layer(h, mask, cache=None)
+    expected = target.model.embed_tokens.as_linear(target.model.norm(h))
+    assert mx.allclose(cut(tokens), expected, atol=1e-5).item()
+    assert not mx.allclose(cut(tokens), target(tokens), atol=1e-3).item()
+
+
+@pytest.mark.parametrize("layers", [0, 4, 9])
+def test_a_cut_outside_the_models_layers_is_refused(deep_model_dir: Path, layers: int) -> None:
+    target = load_model(deep_model_dir).model
+    with pytest.raises(ModelLoadError, match="from 1 to 3"):
+        first_layers(target, layers)
+
+
+def test_a_model_of_another_layout_is_refused() -> None:
+    class Flat:  # layers, but not under `model.layers`
+        def __init__(self) -> None:
+            self.layers: list[Any] = []
+
+    with pytest.raises(ModelLoadError, match="use a draft model"):
+        first_layers(Flat(), 1)
+
+
+@ROUTES
+@pytest.mark.parametrize("layers", [1, 3])
+async def test_a_self_draft_gives_the_targets_greedy_output(
+    deep_model_dir: Path, max_num_seqs: int, layers: int
+) -> None:
+    expected = await plain(deep_model_dir, PROMPTS, **GREEDY)
+    async with trio_mlx.open_engine(
+        deep_model_dir, max_num_seqs=max_num_seqs, draft_layers=layers, num_draft_tokens=3
+    ) as engine:
+        outputs = [await engine.generate(p, **GREEDY) for p in PROMPTS]
+        stats = engine.get_stats()["speculative"]
+    assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+    assert [o.text for o in outputs] == [o.text for o in expected]
+    assert stats["draft_model"] == f"self:{layers}"
+    assert stats["drafted_tokens"] > 0
+
+
+@ROUTES
+async def test_layers_past_the_cut_that_change_nothing_accept_every_draft(
+    idle_tail_dir: Path, max_num_seqs: int
+) -> None:
+    expected = await plain(idle_tail_dir, PROMPTS, **GREEDY)
+    async with trio_mlx.open_engine(
+        idle_tail_dir, max_num_seqs=max_num_seqs, draft_layers=1
+    ) as engine:
+        outputs = [await engine.generate(p, **GREEDY) for p in PROMPTS]
+        stats = engine.get_stats()["speculative"]
+    assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+    assert stats["drafted_tokens"] > 0
+    assert stats["acceptance_rate"] == 1.0
+    # 23 tokens after the first, up to 5 a step: far fewer steps than tokens
+    assert stats["speculative_steps"] + stats["plain_steps"] <= len(PROMPTS) * 8
+
+
+@ROUTES
+async def test_aborting_a_self_drafted_stream_leaves_the_engine_serving(
+    deep_model_dir: Path, max_num_seqs: int
+) -> None:
+    sampling = {"max_tokens": 40, "temperature": 0.0}
+    (expected,) = await plain(deep_model_dir, PROMPTS[:1], **sampling)
+    async with trio_mlx.open_engine(
+        deep_model_dir, max_num_seqs=max_num_seqs, draft_layers=2
+    ) as engine:
+        seen = 0
+        async for out in engine.stream_generate(PROMPTS[0], **sampling):
+            seen += len(out.new_tokens)
+            if seen >= 5:
+                break
+        await eventually(lambda: engine.get_stats()["runner"]["live_sequences"] == 0)
+        assert engine.get_stats()["runner"]["aborted"] == 1
+        again = await engine.generate(PROMPTS[0], **sampling)
+    assert again.tokens == expected.tokens
+
+
+async def test_a_cut_at_the_models_depth_fails_the_start_with_a_clear_error(
+    tiny_model_dir: Path,
+) -> None:
+    with pytest.raises(ModelLoadError, match="draft layers must be from 1 to 1"):
+        async with trio_mlx.open_engine(tiny_model_dir, draft_layers=2):
+            pass
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"draft_layers": 0},
+        {"draft_layers": 1, "draft_model": "other"},
+        {"draft_layers": 1, "mtp": True},
+        {"draft_layers": 1, "max_kv_size": 256},
+    ],
+    ids=["zero", "with-draft-model", "with-mtp", "with-rotating-cache"],
+)
+def test_settings_a_self_draft_cannot_take_are_refused(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="draft_layers"):
+        trio_mlx.EngineConfig(model=None, **options)
+
+
+def test_the_serve_flag_reaches_the_engine() -> None:
+    args = build_parser().parse_args(["serve", "--draft-layers", "6", "--num-draft-tokens", "3"])
+    options = settings_from_args(args).engine_options
+    assert options["draft_layers"] == 6 and options["num_draft_tokens"] == 3
+    plain_options = settings_from_args(build_parser().parse_args(["serve"])).engine_options
+    assert "draft_layers" not in plain_options
