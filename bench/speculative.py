@@ -21,9 +21,10 @@ Greedy decoding, one request at a time, each variant interleaved with the others
   it always agrees with the draft
   (acceptance 1 at the draft's cost: the ceiling a perfect draft of that size reaches; the
   target's forward pass is the real one, a bias on the drafted token is added to its logits);
-  with `--draft-layers N[,N...]`, also the self-draft (`engine/self_draft.py`: the target's
-  first N layers) at its measured acceptance (`engine_layersN_draft`) and with the agreeing
-  target (`engine_layersN_oracle`: the ceiling of that cut), and its one-token step in `verify`;
+  with `--draft-layers N` (repeatable; `N` or a list such as `0-11,16-29`, as `trio-mlx serve`
+  takes it), also the self-draft (`engine/self_draft.py`: the target's own layers) at its
+  measured acceptance (`engine_layersN_draft`) and with the agreeing target
+  (`engine_layersN_oracle`: the ceiling of that draft), and its one-token step in `verify`;
 - `raw`: mlx-lm's own `generate_step` and `speculative_generate_step` on the same models
   (mlx-lm's acceptance counts tokens flagged as coming from the draft);
 - `server` (`--servers`): `mlx_lm.server` without and with `--draft-model` (`--num-draft-tokens
@@ -54,6 +55,7 @@ from bench.models import resolve_subject
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.padded_attention import padded_forward
 from trio_mlx.engine.prompt_cache import make_cache
+from trio_mlx.engine.self_draft import describe_layers, parse_layers, self_draft
 
 PROMPT = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -300,9 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-self", action="store_true", help="skip the self-draft")
     parser.add_argument(
         "--draft-layers",
-        default="",
-        help="also the target's first N layers as its draft, for each N of a comma-separated "
-        "list (engine/self_draft.py)",
+        type=parse_layers,
+        action="append",
+        default=[],
+        help="also the target's own layers as its draft: its first N, or a list such as "
+        "0-11,16-29 (engine/self_draft.py); repeatable",
     )
     parser.add_argument(
         "--no-batched", action="store_true", help="skip the batched route (max_num_seqs 64)"
@@ -330,15 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(mx.default_device()),
     }
     costs = verify_costs(target.model, draft.model, k, args.context, args.repeats)
-    cuts: dict[int, LoadedModel] = {}
-    for n in (int(x) for x in args.draft_layers.split(",") if x):
-        from trio_mlx.engine.self_draft import self_draft
-
-        cuts[n] = self_draft(target, n)
+    cuts: dict[str, LoadedModel] = {}
+    for layers in args.draft_layers:
+        n = describe_layers(layers)
+        cuts[n] = self_draft(target, layers)
         costs[f"draft_layers{n}_1_ms"] = verify_costs(
             target.model, cuts[n].model, k, args.context, args.repeats
         )["draft_1_ms"]
-    report["draft_layers"] = sorted(cuts)
+    report["draft_layers"] = list(cuts)
     report["verify"] = costs
     report["projection"] = projection(costs, k, [0.5, 0.6, 0.7, 0.8, 0.9])
     print(json.dumps({"verify": costs, "projection": report["projection"]}, indent=1), flush=True)

@@ -22,7 +22,7 @@ from tiny_model import build_tiny_model
 from trio_mlx.cli import build_parser
 from trio_mlx.engine.loading import load_model
 from trio_mlx.engine.prompt_cache import make_cache
-from trio_mlx.engine.self_draft import first_layers
+from trio_mlx.engine.self_draft import describe_layers, first_layers, parse_layers
 from trio_mlx.errors import ModelLoadError
 from trio_mlx.http.server import settings_from_args
 
@@ -80,11 +80,56 @@ def test_the_cut_shares_the_targets_weights_and_exits_early(deep_model_dir: Path
     assert not mx.allclose(cut(tokens), target(tokens), atol=1e-3).item()
 
 
-@pytest.mark.parametrize("layers", [0, 4, 9])
-def test_a_cut_outside_the_models_layers_is_refused(deep_model_dir: Path, layers: int) -> None:
+def test_a_draft_of_chosen_layers_runs_them_in_order(deep_model_dir: Path) -> None:
     target = load_model(deep_model_dir).model
-    with pytest.raises(ModelLoadError, match="from 1 to 3"):
+    draft = first_layers(target, (0, 3))
+    assert [id(x) for x in draft.model.layers] == [id(target.model.layers[i]) for i in (0, 3)]
+    assert len(make_cache(draft)) == 2
+    tokens = mx.array([[5, 17, 300, 9]], dtype=mx.uint32)
+    h = target.model.embed_tokens(tokens)
+    for i in (0, 3):
+        h = target.model.layers[i](h, "causal", cache=None)
+    expected = target.model.embed_tokens.as_linear(target.model.norm(h))
+    assert mx.allclose(draft(tokens), expected, atol=1e-5).item()
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        (0, "from 1 to 3"),
+        (4, "from 1 to 3"),
+        (9, "from 1 to 3"),
+        ((0, 1, 2, 3), "not all"),
+        ((1, 4), "layers 0-3"),
+    ],
+)
+def test_a_draft_outside_the_models_layers_is_refused(
+    deep_model_dir: Path, layers: int | tuple[int, ...], message: str
+) -> None:
+    target = load_model(deep_model_dir).model
+    with pytest.raises(ModelLoadError, match=message):
         first_layers(target, layers)
+
+
+@pytest.mark.parametrize(
+    ("text", "layers", "spelled"),
+    [
+        ("6", 6, "6"),
+        ("0-11,16-29", (*range(12), *range(16, 30)), "0-11,16-29"),
+        ("2,5", (2, 5), "2,5"),
+    ],
+)
+def test_draft_layers_are_read_and_spelled_as_the_flag_takes_them(
+    text: str, layers: int | tuple[int, ...], spelled: str
+) -> None:
+    assert parse_layers(text) == layers
+    assert describe_layers(layers) == spelled
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-", "5,2", "1,1", "2-1", "-1"])
+def test_draft_layers_not_ascending_or_not_numbers_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="draft layers"):
+        parse_layers(text)
 
 
 def test_a_model_of_another_layout_is_refused() -> None:
@@ -97,9 +142,9 @@ def test_a_model_of_another_layout_is_refused() -> None:
 
 
 @ROUTES
-@pytest.mark.parametrize("layers", [1, 3])
+@pytest.mark.parametrize("layers", [1, 3, (0, 3)], ids=["first-1", "first-3", "0-and-3"])
 async def test_a_self_draft_gives_the_targets_greedy_output(
-    deep_model_dir: Path, max_num_seqs: int, layers: int
+    deep_model_dir: Path, max_num_seqs: int, layers: int | tuple[int, ...]
 ) -> None:
     expected = await plain(deep_model_dir, PROMPTS, **GREEDY)
     async with trio_mlx.open_engine(
@@ -109,7 +154,7 @@ async def test_a_self_draft_gives_the_targets_greedy_output(
         stats = engine.get_stats()["speculative"]
     assert [o.tokens for o in outputs] == [o.tokens for o in expected]
     assert [o.text for o in outputs] == [o.text for o in expected]
-    assert stats["draft_model"] == f"self:{layers}"
+    assert stats["draft_model"] == f"self:{describe_layers(layers)}"
     assert stats["drafted_tokens"] > 0
 
 
@@ -162,11 +207,12 @@ async def test_a_cut_at_the_models_depth_fails_the_start_with_a_clear_error(
     "options",
     [
         {"draft_layers": 0},
+        {"draft_layers": ()},
         {"draft_layers": 1, "draft_model": "other"},
         {"draft_layers": 1, "mtp": True},
         {"draft_layers": 1, "max_kv_size": 256},
     ],
-    ids=["zero", "with-draft-model", "with-mtp", "with-rotating-cache"],
+    ids=["zero", "none-kept", "with-draft-model", "with-mtp", "with-rotating-cache"],
 )
 def test_settings_a_self_draft_cannot_take_are_refused(options: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="draft_layers"):
@@ -179,3 +225,11 @@ def test_the_serve_flag_reaches_the_engine() -> None:
     assert options["draft_layers"] == 6 and options["num_draft_tokens"] == 3
     plain_options = settings_from_args(build_parser().parse_args(["serve"])).engine_options
     assert "draft_layers" not in plain_options
+    listed = build_parser().parse_args(["serve", "--draft-layers", "0-2,5"])
+    assert settings_from_args(listed).engine_options["draft_layers"] == (0, 1, 2, 5)
+
+
+def test_the_serve_flag_refuses_a_bad_list(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--draft-layers", "3,1"])
+    assert "--draft-layers: draft layers '3,1'" in capsys.readouterr().err

@@ -24,6 +24,7 @@ import sys
 
 from trio_mlx.config import MLLM_DRAFT_KINDS
 from trio_mlx.engine.cpu_path import CHOICES as CPU_WEIGHTS_CHOICES
+from trio_mlx.engine.self_draft import DraftLayers, parse_layers
 from trio_mlx.http.responses.store import DEFAULT_MEGABYTES, DEFAULT_RESPONSES
 from trio_mlx.tools.registry import PARSER_CHOICES
 from trio_mlx.types import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
@@ -41,6 +42,13 @@ def _env_port() -> int:
     except ValueError:
         print(f"trio-mlx: error: TRIO_MLX_PORT={value!r} is not a port number", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _draft_layers(text: str) -> DraftLayers:
+    try:
+        return parse_layers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,12 +230,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--draft-layers",
-        type=int,
+        type=_draft_layers,
         default=None,
-        metavar="N",
-        help="self-speculative decoding: the model's own first N layers (then its norm and head) "
-        "draft for it; no second model, lossless; how often they agree depends on the "
-        "checkpoint (not with --draft-model, --mtp or --max-kv-size)",
+        metavar="N|LAYERS",
+        help="self-speculative decoding: the model's own first N layers (or those listed, e.g. "
+        "0-11,16-29), then its norm and head, draft for it; no second model, lossless; how often "
+        "they agree depends on the checkpoint (not with --draft-model, --mtp or --max-kv-size)",
     )
     parser.add_argument(
         "--num-draft-tokens",

@@ -79,8 +79,9 @@ class EngineConfig:
       (speculative decoding, lossless: `engine/speculative.py`). On the batched route it drafts
       only while one sequence decodes. Cannot be combined with `max_kv_size` (a rotating cache
       cannot be cut back after a refused draft). None: no draft.
-    - `draft_layers`: self-speculative decoding: the target's own first `draft_layers` layers,
-      then its final norm and head, draft `num_draft_tokens` tokens a step (no second model,
+    - `draft_layers`: self-speculative decoding: the target's own first `draft_layers` layers
+      (or, a tuple, the indices of the layers kept, ascending), then its final norm and head,
+      draft `num_draft_tokens` tokens a step (no second model,
       no copied weights; a KV cache of those layers of its own: `engine/self_draft.py`), verified
       as a draft model's are. How often they agree depends on the checkpoint. Not with
       `draft_model`, `mtp` or `max_kv_size`. None: no self-draft.
@@ -169,7 +170,7 @@ class EngineConfig:
     mllm_draft_block_size: int | None = None
     media: MediaPolicy = field(default_factory=MediaPolicy)
     draft_model: str | Path | None = None
-    draft_layers: int | None = None
+    draft_layers: int | tuple[int, ...] | None = None
     num_draft_tokens: int = 4
     mtp: bool = False
     mtp_num_draft_tokens: int = 4
@@ -240,8 +241,10 @@ class EngineConfig:
         if self.mtp and self.draft_model is not None:
             raise ValueError("mtp cannot be combined with draft_model: one drafter at a time")
         if self.draft_layers is not None:
-            if self.draft_layers < 1:
+            if isinstance(self.draft_layers, int) and self.draft_layers < 1:
                 raise ValueError("draft_layers must be >= 1")
+            if not isinstance(self.draft_layers, int) and not self.draft_layers:
+                raise ValueError("draft_layers must keep at least one layer")
             if self.draft_model is not None or self.mtp:
                 raise ValueError(
                     "draft_layers cannot be combined with draft_model or mtp: one drafter at a time"

@@ -20,6 +20,7 @@ from trio_mlx.actors.model_info import ModelInfo
 from trio_mlx.actors.runner import Runner
 from trio_mlx.actors.stream import RequestStream
 from trio_mlx.config import EngineConfig
+from trio_mlx.engine.self_draft import describe_layers
 from trio_mlx.types import GenerationOutput
 
 
@@ -151,7 +152,7 @@ def _drafter_name(config: EngineConfig) -> str:
     if config.mtp:
         return "mtp"
     if config.draft_layers is not None:
-        return f"self:{config.draft_layers}"  # the target's first layers
+        return f"self:{describe_layers(config.draft_layers)}"  # the target's own layers
     return str(config.draft_model)
 
 

@@ -126,7 +126,7 @@ class Runner:
         dequantize_from_rows: int | None = None,
         loader: ModelLoader = load_model,
         draft_model: str | Path | None = None,
-        draft_layers: int | None = None,
+        draft_layers: int | tuple[int, ...] | None = None,
         num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         mtp: bool = False,
         mtp_num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,

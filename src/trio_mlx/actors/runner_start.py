@@ -66,7 +66,7 @@ class StartOptions:
     dequantize_from_rows: int | None
     draft_model: str | Path | None
     #: a self-draft: the target's first layers draft for it (`engine/self_draft.py`)
-    draft_layers: int | None
+    draft_layers: int | tuple[int, ...] | None
     #: native MTP: the model's own multi-token-prediction head drafts (`engine/mtp.py`)
     mtp: bool
     #: tokens drafted a step (the MTP head's when `mtp`, else the draft model's)
