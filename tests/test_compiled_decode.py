@@ -413,3 +413,58 @@ def test_after_the_warm_up_a_generation_traces_nothing(
     plain, _, _ = generate(model, params, None, prompt)
     assert generate(model, params, decoder, prompt)[0] == plain
     assert len(traces) == 10
+
+
+async def test_small_batches_take_the_traced_step_and_give_the_plain_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`traced_batch_rows`: batches of 2 to N rows decode through the traced step (traced at
+    load), a lone row and larger batches through the plain one; the tokens are the plain
+    route's, an abort and a prefix-cache hit included."""
+    calls: list[int] = []
+    original = CompiledDecode.batch_logits
+
+    def counted(decoder: CompiledDecode, *args: Any) -> Any:
+        calls.append(args[1][0].keys.shape[0])  # rows in the step
+        return original(decoder, *args)
+
+    monkeypatch.setattr(CompiledDecode, "batch_logits", counted)
+    monkeypatch.delenv("TRIO_MLX_COMPILED_BATCH", raising=False)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4, traced_batch_rows=3) as e:
+        traced = await _batched_script(e)
+        runner = e.get_stats()["runner"]
+    assert calls and set(calls) <= {2, 3}  # never a lone row, never 4
+    assert runner["traced_steps"] == len(calls)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4, traced_batch_rows=0) as e:
+        plain = await _batched_script(e)
+        assert e.get_stats()["runner"]["traced_steps"] == 0
+    assert traced == plain
+    assert [len(r) for r in traced[:3]] == [24, 40, 60]
+    steps = len(calls)
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as e:  # the CPU's default
+        assert plain == await _batched_script(e)
+    assert len(calls) == steps
+
+
+def test_the_traced_batch_is_traced_at_load_for_each_row_count(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir).model
+    decoder = CompiledDecode(model)
+    traced: list[tuple[int, int]] = []
+    original = decoder._trace_batch
+
+    def counted(tokens: Any, idx: Any, offset: Any, left: Any, *arrays: Any) -> Any:
+        traced.append((int(tokens.shape[0]), int(arrays[0].shape[2])))
+        return original(tokens, idx, offset, left, *arrays)
+
+    decoder._batch = mx.compile(counted)
+    assert decoder.warm_up_batch(range(2, 4), up_to=1024)
+    assert traced == [(b, s) for b in (2, 3) for s in (256, 512, 1024)]
+
+
+def test_the_serve_flag_sets_the_traced_batch_rows() -> None:
+    args = build_parser().parse_args(["serve", "--traced-batch-rows", "4"])
+    assert settings_from_args(args).engine_options["traced_batch_rows"] == 4
+    default = settings_from_args(build_parser().parse_args(["serve"]))
+    assert default.engine_options["traced_batch_rows"] is None
+    with pytest.raises(ValueError, match="traced_batch_rows"):
+        trio_mlx.EngineConfig(model=None, traced_batch_rows=-1)

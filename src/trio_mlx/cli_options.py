@@ -180,6 +180,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "KV length bucket; experimental: slower than the plain step on the H200 (default: off)",
     )
     parser.add_argument(
+        "--traced-batch-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="batches of 2 to N rows decode through a step traced at load and replayed, where "
+        "the plain step is bound by the host (default: 8 on a CUDA GPU for unquantized "
+        "weights, else 0: off)",
+    )
+    parser.add_argument(
         "--fused-projections",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -108,6 +108,12 @@ class EngineConfig:
       None: off. Measured on the H200 (`bench.compiled_decode`, docs/benchmarks/README.md,
       "Compiled decode"): the traced step's replay dispatches more slowly than the plain step
       builds and dispatches, 0.60–0.93x its tok/s; it stays an experiment.
+    - `traced_batch_rows`: on the batched route, batches of 2 to this many rows decode through
+      a step traced once per (rows, KV bucket) at load and replayed (`engine/fast_decode.py`):
+      there the plain step is bound by the host building it. A lone row, larger batches and
+      passes that carry prompt chunks take the plain step. None: 8 on MLX's CUDA backend for a
+      model with unquantized projections (H100: 1.24-1.79x the plain step at 2-8 rows on the
+      1B bf16 shape), 0 (off) elsewhere. Logits differ from the plain step's by rounding.
     - `fused_projections`: fuse each layer's q/k/v and gate/up projections at load
       (`engine/fused.py`: two matrix products a layer where there were five), the plain decode
       step otherwise; also the draft model's. None: on where MLX runs on a GPU and the
@@ -158,6 +164,7 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     prefill_chunk_seconds: float = 0.25
     compiled_decode: bool | None = None
+    traced_batch_rows: int | None = None
     fused_projections: bool | None = None
     dequantize_from_rows: int | None = None
     gil_switch_interval: float | None = None
@@ -234,6 +241,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk_seconds must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.traced_batch_rows is not None and self.traced_batch_rows < 0:
+            raise ValueError("traced_batch_rows must be >= 0 (0: off)")
         if self.num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be >= 1")
         if self.mtp_num_draft_tokens < 1:

@@ -105,6 +105,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
     info = runner.info
     support = info.cache_support if info is not None else None
     plan = runner._prefill_plan
+    traced_everywhere = compiled_batch_enabled() and runner.compiled is not None
     batch = BatchDecoder(
         loaded.model,
         loaded.eos_token_ids,
@@ -112,7 +113,9 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         plan=plan,
         max_kv_size=runner._max_kv_size,
         split_at_store_points=not (support is not None and support.trimmable),
-        compiled=runner.compiled if compiled_batch_enabled() else None,
+        # every size with TRIO_MLX_COMPILED_BATCH=on and compiled_decode; else small batches
+        compiled=runner.compiled if traced_everywhere else runner.batch_step,
+        compiled_rows=None if traced_everywhere else runner.traced_batch_rows,
         padded_prefill=_padded_prefill(loaded.model, plan.block, plan.step),
     )
     lane = MediaLane(runner, loaded, batch)
@@ -164,6 +167,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                     stores.append((result.seq, "conversation", None))
             counters.grouped_attention_steps = batch.grouped_attention_steps
             counters.segmented_steps = batch.segmented_steps
+            counters.traced_steps = batch.traced_steps
             if rows and not solo:
                 mixed_before = _observe_step(
                     pacer, time.perf_counter() - began, mixed, mixed_before, batch.pipelined

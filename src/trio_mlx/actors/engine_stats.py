@@ -115,6 +115,7 @@ def engine_stats(
             "prefill_group_failures": counters.prefill_group_failures,
             "grouped_attention_steps": counters.grouped_attention_steps,
             "segmented_steps": counters.segmented_steps,
+            "traced_steps": counters.traced_steps,
             "deferred_joins": counters.deferred_joins,
             "mixed_chunks": counters.mixed_chunks,
             "arriving": runner.arriving,

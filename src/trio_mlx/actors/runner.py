@@ -122,6 +122,7 @@ class Runner:
         max_num_seqs: int = 1,
         prefill_chunk_seconds: float = DEFAULT_CHUNK_SECONDS,
         compiled_decode: bool | None = None,
+        traced_batch_rows: int | None = None,
         fused_projections: bool | None = None,
         dequantize_from_rows: int | None = None,
         loader: ModelLoader = load_model,
@@ -146,6 +147,7 @@ class Runner:
             prefill_block=prefill_block,
             prefill_chunk_seconds=prefill_chunk_seconds,
             compiled_decode=compiled_decode,
+            traced_batch_rows=traced_batch_rows,
             fused_projections=fused_projections,
             dequantize_from_rows=dequantize_from_rows,
             draft_model=draft_model,
@@ -175,6 +177,10 @@ class Runner:
         self._max_kv_size = max_kv_size
         #: the model's traced decode step (`fast_decode`), None when off or unsupported
         self.compiled: CompiledDecode | None = None
+        #: the traced batch step of small batches (`fast_decode.prepare_batch_step`) and the
+        #: most rows it takes
+        self.batch_step: CompiledDecode | None = None
+        self.traced_batch_rows = 0
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wakeup = threading.Event()  # set whenever a command is queued, or to stop
         self._stop = threading.Event()
@@ -355,7 +361,7 @@ class Runner:
             self._serve_on_this_thread(report_ready)
         finally:
             self._snapshots.drop_all()  # MLX arrays are released on their own thread
-            self.compiled = None  # its traces hold the model's arrays
+            self.compiled = self.batch_step = None  # their traces hold the model's arrays
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         """Load (`runner_start`), report ready, then serve on the route chosen at start-up."""
@@ -369,6 +375,7 @@ class Runner:
             return
         setup = prepare_serving(models, self._options)
         self.compiled = setup.compiled
+        self.batch_step, self.traced_batch_rows = setup.batch_step, setup.traced_batch_rows
         self._prefill_plan = setup.prefill_plan
         self.pacer = setup.pacer
         self.kv_bytes_per_token = setup.kv_bytes_per_token

@@ -114,6 +114,8 @@ class RunnerCounters:
     #: decode steps whose rows sat in groups of their own buffers (batched route:
     #: `batch_segments`)
     segmented_steps: int = 0
+    #: decode steps through the traced batch step (batched route: `traced_batch_rows`)
+    traced_steps: int = 0
     #: joins of prompts of several chunks put off by a step (batched route: `BatchDecoder.join`)
     deferred_joins: int = 0
     #: prefill chunks that rode in a decode step's pass (batched route: `mixed_step`)

@@ -13,9 +13,10 @@ meanwhile: see `Runner._run_thread`):
 2. `prepare_serving`: the fast decode step (`fast_decode.prepare_fast_decode`: fused projections,
    quantized layers dequantizing for many rows, the traced step; none with a drafter, whose
    steps verify several tokens), the same routing for the scoring model, the `ModelInfo`,
-   the prefill plan and its pacer (calibrated by the cache probe's timed pass), the KV bytes per
-   token, the route (batched only for `max_num_seqs > 1`, a cache that can be merged and a
-   text-only model) and the `Speculator`.
+   the prefill plan and its pacer (calibrated by the cache probe's timed pass), the traced step
+   of small batches (`fast_decode.prepare_batch_step`), the KV bytes per token, the route
+   (batched only for `max_num_seqs > 1`, a cache that can be merged and a text-only model) and
+   the `Speculator`.
 
 `StartOptions` is the runner's configuration for both, validated when the runner is made.
 """
@@ -31,7 +32,11 @@ from typing import Any
 from trio_mlx.actors.model_info import ModelInfo, describe
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import PrefillPlan
-from trio_mlx.engine.fast_decode import prepare_fast_decode
+from trio_mlx.engine.fast_decode import (
+    default_traced_batch_rows,
+    prepare_batch_step,
+    prepare_fast_decode,
+)
 from trio_mlx.engine.kernel_warmup import warm_quantized_kernels
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.engine.model_probe import probe_cache
@@ -61,6 +66,8 @@ class StartOptions:
     prefill_block: int | None
     prefill_chunk_seconds: float
     compiled_decode: bool | None
+    #: batches of 2 to this many rows take a traced step (None: the backend's default)
+    traced_batch_rows: int | None
     fused_projections: bool | None
     #: rows from which quantized layers dequantize (`quantized_rows`; None: the backend's default)
     dequantize_from_rows: int | None
@@ -110,6 +117,9 @@ class ServingSetup:
     #: whether the batched route serves
     batching: bool
     speculator: Speculator | None
+    #: the traced step of batches of 2 to `traced_batch_rows` rows (None: the plain step)
+    batch_step: CompiledDecode | None = None
+    traced_batch_rows: int = 0
 
 
 def load_models(options: StartOptions) -> LoadedModels:
@@ -199,6 +209,13 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
             "the model's MTP head" if options.mtp else draft.name,
             options.num_draft_tokens,
         )
+    traced_rows = (
+        default_traced_batch_rows(loaded.model)
+        if options.traced_batch_rows is None
+        else options.traced_batch_rows
+    )
+    traced_rows = min(traced_rows, options.max_num_seqs) if batching and not multimodal else 0
+    batch_step = prepare_batch_step(loaded.model, traced_rows, reuse=compiled)
     if options.max_num_seqs > 1 and not mergeable:
         log.warning("this model's KV cache cannot be batched: serving one sequence at a time")
     elif options.max_num_seqs > 1 and multimodal:
@@ -214,4 +231,6 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
         kv_bytes_per_token=kv_bytes_per_token,
         batching=batching,
         speculator=speculator,
+        batch_step=batch_step,
+        traced_batch_rows=traced_rows if batch_step is not None else 0,
     )

@@ -74,6 +74,7 @@ async def _serve(
         max_num_seqs=max_num_seqs,
         prefill_chunk_seconds=cfg.prefill_chunk_seconds,
         compiled_decode=cfg.compiled_decode,
+        traced_batch_rows=cfg.traced_batch_rows,
         fused_projections=cfg.fused_projections,
         dequantize_from_rows=cfg.dequantize_from_rows,
         loader=loader,

@@ -26,8 +26,11 @@ its prompt's last pass, read at once, and while it decodes alone, its steps thro
 (the language model at its rope delta, as its lane calls it).
 
 With `compiled` (the model's `compiled_step.CompiledDecode`) the batch's forward pass is the
-traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits`); a lone row
-then stays in the batch cache, which that step takes.
+traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits`) and, with
+`compiled_rows`, the batch holds from 2 to `compiled_rows` rows (small batches, where a step is
+bound by the host building it: a lone row keeps its own cache, larger batches and passes that
+carry prompt chunks take the plain step); without `compiled_rows`, at every size, a lone row
+then staying in the batch cache, which that step takes.
 
 `decode()` is one step for every row: rows removed since the last step (finished, aborted,
 failed) leave the batch (`batch_leave`); the next step's forward pass is queued on the device
@@ -143,6 +146,7 @@ class BatchDecoder:
         max_kv_size: int | None = None,
         split_at_store_points: bool = True,
         compiled: CompiledDecode | None = None,
+        compiled_rows: int | None = None,
         padded_prefill: bool | None = None,
         pipelined: bool | None = None,
     ) -> None:
@@ -151,8 +155,14 @@ class BatchDecoder:
         #: `pipelining_pays`); else each step is read as soon as it is queued
         self.pipelined = pipelining_pays() if pipelined is None else pipelined
         self._compiled = compiled  # the traced batch step, where the batch's cache fits it
+        #: the most rows the traced step takes (None: any number, a lone row's included)
+        self._compiled_rows = compiled_rows
+        #: the traced step at every size, a lone row included (in the batch cache)
+        every_size = compiled is not None and compiled_rows is None
         #: a lone row on its own cache, except where the traced step wants a batch cache
-        self._solo_rows = self.solo_rows and compiled is None
+        self._solo_rows = self.solo_rows and not every_size
+        #: decode steps that took the traced batch step
+        self.traced_steps = 0
         self._eos = eos_token_ids
         self._vocab = vocab_size
         self._plan = plan
@@ -194,7 +204,7 @@ class BatchDecoder:
             chosen = os.environ.get("TRIO_MLX_MIXED_STEP", "").lower()
             mixing = chosen == "on" if chosen in ("on", "off") else self._padded_prefill
         #: decode steps can carry a prefill chunk (`mixed_step`: on and the model takes it)
-        self.mixing = bool(mixing) and compiled is None and mixed_step.prepare(model)
+        self.mixing = bool(mixing) and not every_size and mixed_step.prepare(model)
         #: prefill chunks that rode in a decode step, and those of the last `decode` (taken by
         #: `take_mixed`)
         self.mixed_chunks = 0
@@ -320,19 +330,21 @@ class BatchDecoder:
         feed(rows)
         segmented = batch_segments.segmented(self._cache)
         self.segmented_steps += segmented
-        if self.ragged_attention and not self.solo and not segmented:
+        own = lone_step_model(rows, solo=self.solo) if self.lone_media else None
+        traced = self._traced_step(rows) if own is None and not mix else None
+        if self.ragged_attention and not self.solo and not segmented and traced is None:
             # the positions each row holds once this step has written: a row whose previous
             # step is in flight (not yet read) has that step's token still to count
             in_flight = {id(seq) for seq in self._queued.rows} if self._queued else set()
             lengths = [seq.cached_length + (id(seq) in in_flight) for seq in rows]
             self._ragged = ragged_attention.prepare(self._cache, lengths, self._ragged)
             self.grouped_attention_steps += self._ragged is not None
-        own = lone_step_model(rows, solo=self.solo) if self.lone_media else None
         logits = self._mixed_pass(rows, mix) if mix and own is None else None
         if logits is None:
-            logits = forward(
-                self._model, rows, self._inputs, self._cache, own=own, compiled=self._compiled
-            )
+            if traced is None and mix:  # no chunk rode in the pass after all
+                traced = self._traced_step(rows) if own is None else None
+            logits = forward(self._model, rows, self._inputs, self._cache, own=own, compiled=traced)
+            self.traced_steps += traced is not None
         # No periodic `mx.clear_cache()` (mlx-lm's generate clears every 256 tokens): the
         # batched route bounds MLX's buffer cache instead (`batch_loop.BATCH_CACHE_LIMIT`), and
         # a step after a clear allocates every buffer anew: on an H100's 8B, 16 rows, the steps
@@ -342,6 +354,16 @@ class BatchDecoder:
         if queued.tokens is not None:
             self._inputs = queued.tokens
         return queued
+
+    def _traced_step(self, rows: list[BatchSequence]) -> CompiledDecode | None:
+        """The traced batch step where this step's rows may take it: the batch's cache fits
+        it, no row is at a rope delta and, with `compiled_rows`, there are at most that many."""
+        compiled = self._compiled
+        if compiled is None or not compiled.batch_fits(self._cache):
+            return None
+        if self._compiled_rows is not None and len(rows) > self._compiled_rows:
+            return None
+        return None if any(seq.rope_delta for seq in rows) else compiled
 
     def _mixed_pass(self, rows: list[BatchSequence], limit: int) -> Any:
         """The step's logits from one pass with waiting sequences' next chunks in it, `limit`

@@ -254,6 +254,37 @@ class CompiledDecode:
             layer._idx = idx + 1
         return logits
 
+    def warm_up_batch(self, rows: range, up_to: int = LINEAR_BUCKETS_FROM) -> bool:
+        """Trace the batch step for each number of `rows` and every bucket up to `up_to`
+        positions, on inputs never evaluated (no memory allocated), so that no step of a
+        running batch pays for a trace; False (nothing done) where the model's cache cannot take
+        the traced step. Raises whatever a trace raises."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self._model)
+        if not self.fits(cache):
+            return False
+        self._model(mx.array([[0]], dtype=mx.uint32), cache=cache)
+        shapes = [(layer.keys.shape, layer.keys.dtype) for layer in cache]
+        for b in rows:
+            size = 0
+            while size < up_to:
+                size = bucket_size(size + 1, self.first_bucket)
+                arrays = [
+                    mx.zeros((b, shape[1], size, shape[3]), dtype=dtype)
+                    for shape, dtype in shapes
+                    for _ in range(2)
+                ]
+                index = mx.zeros((b,), dtype=mx.int32)
+                self._batch(
+                    mx.zeros((b,), dtype=mx.uint32),
+                    mx.array(0, dtype=mx.int32),
+                    index,
+                    index,
+                    *arrays,
+                )
+        return True
+
     def _trace_batch(
         self, tokens: Any, idx: Any, offset: Any, left_padding: Any, *arrays: Any
     ) -> list[Any]:

@@ -16,6 +16,15 @@
   than the plain step is built and dispatched (the same bench: 0.60–0.93x the plain step's
   tok/s, the fused model's traced step 0.71–0.99x the fused model's plain one), so it stays an
   experiment (docs/benchmarks/README.md, "Compiled decode").
+- small batches through the traced batch step (`traced_batch_rows`, `prepare_batch_step`): from 2
+  to `traced_batch_rows` rows, where the plain batch step is bound by the host building it
+  (mlx-lm's batch cache, masks and per-row offsets: on an H100's 1B bf16 the fused plain step
+  took 4.3-5.7 ms at 2-8 rows against 2.3 ms for a lone row, the traced one 3.2-3.6 ms, 1.24-1.79x;
+  the 8B 0.85-1.35x, mostly faster; at 16 rows the traced step is slower, 0.58-0.69x: its
+  attention runs unfused over the whole bucket; `bench/batch_ceiling.py`, docs/benchmarks). Its
+  traces, one per (rows, bucket), are made at load. `traced_batch_rows` None: 8 on MLX's CUDA
+  backend for a model with unquantized projections (quantized ones not measured), else 0 (off);
+  a lone row keeps its own cache and plain step, and a pass that carries prompt chunks is plain.
 - quantized layers that multiply an input of many rows by their dequantized weight
   (`quantized_rows.route_rows`; `dequantize_from_rows` None: on MLX's CUDA backend only).
 
@@ -50,6 +59,48 @@ def compiled_batch_enabled() -> bool:
 def default_compiled_decode() -> bool:
     """Off on every backend: slower than the plain step where it was measured (module docstring)."""
     return False
+
+
+#: Rows up to which a batch takes the traced step by default (`default_traced_batch_rows`).
+TRACED_BATCH_ROWS = 8
+
+
+def default_traced_batch_rows(model: Any) -> int:
+    """`TRACED_BATCH_ROWS` on MLX's CUDA backend for a model with unquantized projections, else 0
+    (off): the CPU's step is arithmetic, and no quantized model was measured (module docstring)."""
+    import mlx.core as mx
+    from mlx.nn import QuantizedLinear  # type: ignore[attr-defined]
+
+    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+        return 0
+    return 0 if any(isinstance(m, QuantizedLinear) for m in model.modules()) else TRACED_BATCH_ROWS
+
+
+def prepare_batch_step(model: Any, rows: int, *, reuse: CompiledDecode | None = None) -> Any:
+    """The traced batch step for batches of 2 to `rows` rows, every (rows, bucket) up to 4,096
+    positions traced now; None where `rows` < 2, the model cannot take it or tracing fails
+    (logged; the plain step serves). `reuse`: the model's traced decode step, if any."""
+    if rows < 2:
+        return None
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.info("traced batch step off: %s", reason)
+        return None
+    decoder = reuse if reuse is not None else CompiledDecode(model)
+    began = time.perf_counter()
+    try:
+        if not decoder.warm_up_batch(range(2, rows + 1)):
+            log.info("traced batch step off: the model's cache cannot take it")
+            return None
+    except Exception:  # the traced step cannot run here: serve the plain one
+        log.exception("traced batch step off: tracing it failed")
+        return None
+    log.info(
+        "batches of 2 to %d rows decode through a traced step (traced in %.2f s)",
+        rows,
+        time.perf_counter() - began,
+    )
+    return decoder
 
 
 def default_fused_projections(model: Any) -> bool:
