@@ -185,8 +185,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="batches of 2 to N rows decode through a step traced at load and replayed, where "
-        "the plain step is bound by the host (default: 8 on a CUDA GPU for unquantized "
-        "weights, else 0: off)",
+        "the plain step is bound by the host (a GPU; faster on small models: 1.42x at 2 streams "
+        "on a 1B bf16, H100); costs start-up time (default: 0, off)",
     )
     parser.add_argument(
         "--fused-projections",

@@ -111,9 +111,10 @@ class EngineConfig:
     - `traced_batch_rows`: on the batched route, batches of 2 to this many rows decode through
       a step traced once per (rows, KV bucket) at load and replayed (`engine/fast_decode.py`):
       there the plain step is bound by the host building it. A lone row, larger batches and
-      passes that carry prompt chunks take the plain step. None: 8 on MLX's CUDA backend for a
-      model with unquantized projections (H100: 1.24-1.79x the plain step at 2-8 rows on the
-      1B bf16 shape), 0 (off) elsewhere. Logits differ from the plain step's by rounding.
+      passes that carry prompt chunks take the plain step. None: 0 (off). On an H100, 1.24-1.79x
+      the plain step at 2-8 rows on the 1B bf16 shape (2 streams through HTTP: 1.42x the
+      aggregate), mixed on the 8B; each (rows, bucket) is traced and run at load, which costs
+      start-up time. Logits differ from the plain step's by rounding.
     - `fused_projections`: fuse each layer's q/k/v and gate/up projections at load
       (`engine/fused.py`: two matrix products a layer where there were five), the plain decode
       step otherwise; also the draft model's. None: on where MLX runs on a GPU and the

@@ -256,9 +256,12 @@ class CompiledDecode:
 
     def warm_up_batch(self, rows: range, up_to: int = LINEAR_BUCKETS_FROM) -> bool:
         """Trace the batch step for each number of `rows` and every bucket up to `up_to`
-        positions, on inputs never evaluated (no memory allocated), so that no step of a
-        running batch pays for a trace; False (nothing done) where the model's cache cannot take
-        the traced step. Raises whatever a trace raises."""
+        positions and run it once on zeroed buffers, so that no step of a running batch pays
+        for a trace or for the device compiling the trace's fused kernels (on MLX's CUDA
+        backend, source compiled on first use: an H100 spent 27.5 s in a server's first
+        requests on the 1B bf16 shape when only the traces were made ahead). The buffers are
+        freed after each. False (nothing done) where the model's cache cannot take the traced
+        step. Raises whatever a trace or a step raises."""
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self._model)
@@ -276,13 +279,17 @@ class CompiledDecode:
                     for _ in range(2)
                 ]
                 index = mx.zeros((b,), dtype=mx.int32)
-                self._batch(
-                    mx.zeros((b,), dtype=mx.uint32),
-                    mx.array(0, dtype=mx.int32),
-                    index,
-                    index,
-                    *arrays,
+                mx.eval(
+                    self._batch(
+                        mx.zeros((b,), dtype=mx.uint32),
+                        mx.array(0, dtype=mx.int32),
+                        index,
+                        index,
+                        *arrays,
+                    )
                 )
+                del arrays
+        mx.clear_cache()
         return True
 
     def _trace_batch(

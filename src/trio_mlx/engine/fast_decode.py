@@ -20,11 +20,13 @@
   to `traced_batch_rows` rows, where the plain batch step is bound by the host building it
   (mlx-lm's batch cache, masks and per-row offsets: on an H100's 1B bf16 the fused plain step
   took 4.3-5.7 ms at 2-8 rows against 2.3 ms for a lone row, the traced one 3.2-3.6 ms, 1.24-1.79x;
-  the 8B 0.85-1.35x, mostly faster; at 16 rows the traced step is slower, 0.58-0.69x: its
-  attention runs unfused over the whole bucket; `bench/batch_ceiling.py`, docs/benchmarks). Its
-  traces, one per (rows, bucket), are made at load. `traced_batch_rows` None: 8 on MLX's CUDA
-  backend for a model with unquantized projections (quantized ones not measured), else 0 (off);
-  a lone row keeps its own cache and plain step, and a pass that carries prompt chunks is plain.
+  the 8B 0.85-1.35x; at 16 rows the traced step is slower, 0.58-0.69x: its attention runs
+  unfused over the whole bucket; `bench/batch_ceiling.py`, docs/benchmarks). Through HTTP on
+  the 1B, 2 streams decoded at 1.42x the plain step's aggregate; on the 8B one sample at 2
+  streams gave 0.77x and at 4 1.06x. Each (rows, bucket) is traced and run once at load (the
+  device compiles its fused kernels on first use: seconds each on CUDA, kept on disk by MLX).
+  A lone row keeps its own cache and plain step, and a pass that carries prompt chunks is
+  plain. `traced_batch_rows` None: 0 (off) on every backend until measured more widely.
 - quantized layers that multiply an input of many rows by their dequantized weight
   (`quantized_rows.route_rows`; `dequantize_from_rows` None: on MLX's CUDA backend only).
 
@@ -61,19 +63,10 @@ def default_compiled_decode() -> bool:
     return False
 
 
-#: Rows up to which a batch takes the traced step by default (`default_traced_batch_rows`).
-TRACED_BATCH_ROWS = 8
-
-
 def default_traced_batch_rows(model: Any) -> int:
-    """`TRACED_BATCH_ROWS` on MLX's CUDA backend for a model with unquantized projections, else 0
-    (off): the CPU's step is arithmetic, and no quantized model was measured (module docstring)."""
-    import mlx.core as mx
-    from mlx.nn import QuantizedLinear  # type: ignore[attr-defined]
-
-    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
-        return 0
-    return 0 if any(isinstance(m, QuantizedLinear) for m in model.modules()) else TRACED_BATCH_ROWS
+    """0 (off) on every backend: measured faster on the 1B bf16 shape only, with a start-up
+    cost (module docstring); `--traced-batch-rows 8` turns it on."""
+    return 0
 
 
 def prepare_batch_step(model: Any, rows: int, *, reuse: CompiledDecode | None = None) -> Any:
