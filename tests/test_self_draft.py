@@ -233,3 +233,21 @@ def test_the_serve_flag_refuses_a_bad_list(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--draft-layers", "3,1"])
     assert "--draft-layers: draft layers '3,1'" in capsys.readouterr().err
+
+
+async def test_a_prefix_cache_hit_with_a_self_draft_gives_the_targets_output(
+    deep_model_dir: Path,
+) -> None:
+    """Only the target's cache is snapshotted: on a hit the draft's own layers catch up on the
+    restored prompt, and the output is still the target's."""
+    system = {"role": "system", "content": "You are a terse assistant. " * 6}
+    chats = [[system, {"role": "user", "content": u}] for u in ("Hi", "Name a colour", "Hi")]
+    sampling = {"max_tokens": 16, "temperature": 0.0}
+    async with trio_mlx.open_engine(deep_model_dir, max_num_seqs=1) as engine:
+        expected = [await engine.chat(c, **sampling) for c in chats]
+    async with trio_mlx.open_engine(deep_model_dir, max_num_seqs=4, draft_layers=(0, 3)) as e:
+        outputs = [await e.chat(c, **sampling) for c in chats]
+        stats = e.get_stats()["speculative"]
+    assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+    assert all(o.cached_tokens > 0 for o in outputs[1:])
+    assert stats["catch_up_tokens"] >= sum(o.prompt_tokens for o in outputs)
