@@ -2,8 +2,8 @@
 
 A draft model costs a second model's memory and needs one that shares the target's tokenizer.
 A self-draft needs neither: the draft is the target cut after its first `N` transformer layers,
-then the target's own final norm and output head (early exit, as in Draft & Verify, Zhang et
-al. 2023, and LayerSkip, Elhoushi et al. 2024). It shares every weight with the target (no copy:
+then the target's own final norm and output head (early exit, as in LayerSkip, Elhoushi et al.
+2024). It shares every weight with the target (no copy:
 the cut model's modules are the target's), and keeps a KV cache of its own for its `N` layers
 (`N / L` of the target's KV memory a sequence). Verification is the target's as with any draft
 (`engine/speculative.py`), so the output stays the target's, token for token under greedy
@@ -11,8 +11,8 @@ decoding and in distribution when sampled: only the speed depends on how often t
 agrees with the whole model.
 
 The draft may also keep any ascending subset of the layers rather than the first `N`
-(`--draft-layers 0-11,16-29`: skipping layers in the middle, as Draft & Verify does, where the
-first and last layers matter most): `DraftLayers` is either.
+(`--draft-layers 0-11,16-29`: layers skipped in the middle, as in Draft & Verify, Zhang et al.
+2023, where the first and last layers matter most): `DraftLayers` is either.
 
 That agreement depends on the checkpoint. Models trained with early-exit losses (LayerSkip
 checkpoints) agree often at a few layers; other models need most of their layers for the draft
@@ -23,9 +23,10 @@ on its own greedy continuations): the first 8 layers 0.03, 15 0.08, 22 0.23, 26 
 all but 13-16 (26 layers) 0.56, all but 14-15 (28) 0.66. On a GPU where a decode step is bound
 by launching kernels, a draft step costs about its share of the layers of a target step.
 
-`first_layers` cuts any mlx-lm model whose layers live in `model.model.layers` and whose forward
-pass runs them in order (llama, qwen2/3, mistral, phi3, gemma...); a model of another layout,
-or whose cut cannot run (a layer schedule indexed past the cut), is refused with a clear error.
+`first_layers` cuts an mlx-lm model whose layers live in `model.model.layers` and whose forward
+pass runs them in order (llama, tested here, and the models laid out like it); a model of another
+layout, or whose cut cannot run (a layer schedule indexed past the cut), is refused with a clear
+error.
 """
 
 from __future__ import annotations
