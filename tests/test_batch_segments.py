@@ -128,10 +128,16 @@ async def alone(model_dir: Path, prompts: list[Any], **sampling: Any) -> list[li
 
 
 @pytest.mark.usefixtures("batch_pipeline")
-@pytest.mark.parametrize("mixed", [False, True], ids=["chunks-apart", "chunks-in-the-pass"])
+@pytest.mark.parametrize(
+    ("mixed", "traced"),
+    [(False, False), (True, False), (False, True)],
+    ids=["chunks-apart", "chunks-in-the-pass", "small-batches-traced"],
+)
 async def test_a_long_prompt_joins_and_leaves_decoding_rows_each_as_alone(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, mixed: bool
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, mixed: bool, traced: bool
 ) -> None:
+    """With `traced`, the batch's steps of 2 to 4 rows outside the parts take the traced
+    step (`traced_batch_rows`), the segmented ones the plain step."""
     monkeypatch.setattr(batch_segments, "MIN_WIDTH", 256)
     carried_by_parts = 0
     if mixed:  # prompt chunks ride in the decode pass (CUDA's default), sized as test_mixed_step's
@@ -155,7 +161,8 @@ async def test_a_long_prompt_joins_and_leaves_decoding_rows_each_as_alone(
     many = {"max_tokens": 80, "temperature": 0.0}
     expected_short = await alone(tiny_model_dir, shorts, **many)
     [expected_long] = await alone(tiny_model_dir, [long_prompt], **GREEDY)
-    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4) as engine:
+    traced_rows = {"traced_batch_rows": 4} if traced else {}
+    async with trio_mlx.open_engine(tiny_model_dir, max_num_seqs=4, **traced_rows) as engine:
         results: dict[str, list[int]] = {}
         for abort_after in (None, 3):
             results.clear()
@@ -193,6 +200,7 @@ async def test_a_long_prompt_joins_and_leaves_decoding_rows_each_as_alone(
             assert len(results["long"]) == (len(expected_long) if abort_after is None else 3)
         await assert_idle(engine)
         assert engine.get_stats()["runner"]["segmented_steps"] > 0
+        assert (engine.get_stats()["runner"]["traced_steps"] > 0) == traced
         # the second round's long prompt started from the first one's snapshot, copied out of
         # its part when it finished (the short prompts are too short to save this many)
         assert engine.get_cache_stats()["tokens_saved"] >= 600
