@@ -9,6 +9,7 @@ serving; bad settings are refused with a clear error.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +252,33 @@ async def test_a_prefix_cache_hit_with_a_self_draft_gives_the_targets_output(
     assert [o.tokens for o in outputs] == [o.tokens for o in expected]
     assert all(o.cached_tokens > 0 for o in outputs[1:])
     assert stats["catch_up_tokens"] >= sum(o.prompt_tokens for o in outputs)
+
+
+async def test_specprefill_scores_with_the_self_drafts_layers(deep_model_dir: Path) -> None:
+    """With `draft_layers` and no scoring model named, SpecPrefill scores long prompts with the
+    model's own layers: keep 1.0 gives full prefill's tokens, keep 0.3 keeps that fraction."""
+    rng = mx.random.key(5)
+    prompt = [int(t) for t in mx.random.randint(200, 20000, (300,), key=rng).tolist()]
+    (expected,) = await plain(deep_model_dir, [prompt], **GREEDY)
+    options: dict[str, Any] = {
+        "max_num_seqs": 1,
+        "draft_layers": 2,
+        "specprefill_enabled": True,
+        "specprefill_threshold": 128,
+    }
+    async with trio_mlx.open_engine(deep_model_dir, specprefill_keep_pct=1.0, **options) as e:
+        whole = await e.generate(prompt, **GREEDY)
+        stats = e.get_stats()["specprefill"]
+    assert whole.tokens == expected.tokens
+    assert stats["requests"] == 1 and stats["scoring_chunks"] > 0
+    async with trio_mlx.open_engine(deep_model_dir, **options) as e:
+        sparse = await e.generate(prompt, **GREEDY)
+        stats = e.get_stats()["specprefill"]
+    assert stats["kept_tokens"] == math.ceil(0.3 * 300)
+    assert len(sparse.tokens) == GREEDY["max_tokens"]
+
+
+def test_specprefill_takes_the_self_draft_as_its_scoring_model() -> None:
+    trio_mlx.EngineConfig(model=None, specprefill_enabled=True, draft_layers=4)
+    with pytest.raises(ValueError, match="draft_layers"):
+        trio_mlx.EngineConfig(model=None, specprefill_enabled=True)

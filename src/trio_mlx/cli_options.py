@@ -269,8 +269,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--specprefill",
         action="store_true",
         help="SpecPrefill (approximate): score long prompts with a small model's attention and "
-        "prefill only the kept part (needs --specprefill-draft-model or --draft-model; not with "
-        "--max-kv-size)",
+        "prefill only the kept part (needs --specprefill-draft-model, --draft-model or "
+        "--draft-layers, whose layers then score; not with --max-kv-size)",
     )
     parser.add_argument(
         "--specprefill-threshold",

@@ -94,7 +94,9 @@ class EngineConfig:
       decode plainly).
     - `specprefill_enabled`: SpecPrefill (`engine/specprefill.py`, approximate): a prompt of at
       least `specprefill_threshold` tokens is scored by the attention of a small model
-      (`specprefill_draft_model`, else `draft_model`: one is needed) and the target prefills only
+      (`specprefill_draft_model`, else `draft_model`, else the model's own layers of
+      `draft_layers`, as GemFilter scores with a model's early layers: one is needed) and the
+      target prefills only
       `specprefill_keep_pct` of it (always the last tokens and the first
       `specprefill_backbone_pct`) at their true positions. Requests may override it
       (`specprefill`, `specprefill_keep_pct`). Both routes: on the batched one a long prompt is
@@ -288,9 +290,10 @@ class EngineConfig:
             raise ValueError("specprefill_keep_pct must be greater than 0 and at most 1")
         if not 0.0 <= self.specprefill_backbone_pct <= 1.0:
             raise ValueError("specprefill_backbone_pct must be from 0 to 1")
-        if self.specprefill_enabled and self.specprefill_scorer is None:
+        if self.specprefill_enabled and self.specprefill_scorer is None and not self.draft_layers:
             raise ValueError(
-                "specprefill needs a scoring model: specprefill_draft_model or draft_model"
+                "specprefill needs a scoring model: specprefill_draft_model, draft_model or "
+                "draft_layers"
             )
         if self.specprefill_enabled and self.max_kv_size is not None:
             raise ValueError("specprefill cannot be combined with max_kv_size")

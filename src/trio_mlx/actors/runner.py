@@ -155,6 +155,13 @@ class Runner:
             mtp=mtp,
             num_draft_tokens=mtp_num_draft_tokens if mtp else num_draft_tokens,
             specprefill_model=specprefill_model,
+            # no scoring model of its own: the self-draft's layers score (`draft_layers`)
+            specprefill_self=bool(
+                specprefill is not None
+                and specprefill.enabled
+                and specprefill_model is None
+                and draft_layers is not None
+            ),
             mllm_draft_model=mllm_draft_model,
             mllm_draft_kind=mllm_draft_kind,
             mllm_draft_block_size=mllm_draft_block_size,

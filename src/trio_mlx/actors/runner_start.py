@@ -5,11 +5,11 @@ between them (a load cannot be interrupted; what follows it is skipped when the 
 meanwhile: see `Runner._run_thread`):
 1. `load_models`: the target model (with its MTP head for native MTP), the draft model, the
    self-draft (the target's first layers: `engine/self_draft.py`) or the MTP drafter, and
-   SpecPrefill's scoring model (the draft's own when both name the same model), each checked
-   against the target (`speculative.check_draft`); on a vision-language model, the mlx-vlm
-   drafter of its requests with media (`multimodal.drafted`, checked by mlx-vlm and one short
-   drafted generation). Raises the load's error (`ModelLoadError`), which `Runner.run` raises
-   before `started`.
+   SpecPrefill's scoring model (the draft's own when both name the same model; the self-draft
+   where none is named and `draft_layers` is set), each checked against the target
+   (`speculative.check_draft`); on a vision-language model, the mlx-vlm drafter of its requests
+   with media (`multimodal.drafted`, checked by mlx-vlm and one short drafted generation).
+   Raises the load's error (`ModelLoadError`), which `Runner.run` raises before `started`.
 2. `prepare_serving`: the fast decode step (`fast_decode.prepare_fast_decode`: fused projections,
    quantized layers dequantizing for many rows, the traced step; none with a drafter, whose
    steps verify several tokens), the same routing for the scoring model, the `ModelInfo`,
@@ -84,6 +84,8 @@ class StartOptions:
     mllm_draft_model: str | Path | None = None
     mllm_draft_kind: str | None = None
     mllm_draft_block_size: int | None = None
+    #: SpecPrefill scores with the self-draft's layers (`draft_layers`, no scoring model given)
+    specprefill_self: bool = False
 
     def __post_init__(self) -> None:
         if self.mtp and self.draft_model is not None:
@@ -148,6 +150,8 @@ def load_models(options: StartOptions) -> LoadedModels:
             scoring = loader(options.specprefill_model)
             check_draft(loaded, scoring, options.max_kv_size)
             scorer = scoring.model
+    elif options.specprefill_self and options.draft_layers is not None:
+        scorer = draft.model  # the target's own layers (`self_draft`)
     media_drafter: Any = None
     if options.mllm_draft_model is not None:
         if loaded.multimodal is None:
