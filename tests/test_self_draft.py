@@ -254,31 +254,56 @@ async def test_a_prefix_cache_hit_with_a_self_draft_gives_the_targets_output(
     assert stats["catch_up_tokens"] >= sum(o.prompt_tokens for o in outputs)
 
 
-async def test_specprefill_scores_with_the_self_drafts_layers(deep_model_dir: Path) -> None:
-    """With `draft_layers` and no scoring model named, SpecPrefill scores long prompts with the
-    model's own layers: keep 1.0 gives full prefill's tokens, keep 0.3 keeps that fraction."""
+@pytest.mark.parametrize(
+    "scoring",
+    [{"draft_layers": 2}, {"specprefill_draft_layers": (0, 1)}],
+    ids=["the-self-draft", "its-own-setting"],
+)
+async def test_specprefill_scores_with_the_models_own_layers(
+    deep_model_dir: Path, scoring: dict[str, Any]
+) -> None:
+    """Where no scoring model is named, SpecPrefill scores long prompts with the model's own
+    layers (`specprefill_draft_layers`, else the self-draft's): keep 1.0 gives full prefill's
+    tokens, keep 0.3 keeps that fraction; `specprefill_draft_layers` alone drafts nothing."""
     rng = mx.random.key(5)
     prompt = [int(t) for t in mx.random.randint(200, 20000, (300,), key=rng).tolist()]
     (expected,) = await plain(deep_model_dir, [prompt], **GREEDY)
     options: dict[str, Any] = {
         "max_num_seqs": 1,
-        "draft_layers": 2,
         "specprefill_enabled": True,
         "specprefill_threshold": 128,
+        **scoring,
     }
     async with trio_mlx.open_engine(deep_model_dir, specprefill_keep_pct=1.0, **options) as e:
         whole = await e.generate(prompt, **GREEDY)
-        stats = e.get_stats()["specprefill"]
+        stats = e.get_stats()
     assert whole.tokens == expected.tokens
-    assert stats["requests"] == 1 and stats["scoring_chunks"] > 0
+    assert stats["specprefill"]["requests"] == 1 and stats["specprefill"]["scoring_chunks"] > 0
+    assert (stats["speculative"] is None) == ("draft_layers" not in scoring)
     async with trio_mlx.open_engine(deep_model_dir, **options) as e:
         sparse = await e.generate(prompt, **GREEDY)
-        stats = e.get_stats()["specprefill"]
-    assert stats["kept_tokens"] == math.ceil(0.3 * 300)
+        stats = e.get_stats()
+    assert stats["specprefill"]["kept_tokens"] == math.ceil(0.3 * 300)
     assert len(sparse.tokens) == GREEDY["max_tokens"]
 
 
-def test_specprefill_takes_the_self_draft_as_its_scoring_model() -> None:
+def test_specprefill_takes_the_models_own_layers_as_its_scoring_model() -> None:
     trio_mlx.EngineConfig(model=None, specprefill_enabled=True, draft_layers=4)
-    with pytest.raises(ValueError, match="draft_layers"):
+    config = trio_mlx.EngineConfig(
+        model=None, specprefill_enabled=True, specprefill_draft_layers=6, draft_model="d"
+    )
+    assert config.specprefill_scorer is None and config.specprefill_scorer_layers == 6
+    with pytest.raises(ValueError, match="specprefill_draft_layers"):
         trio_mlx.EngineConfig(model=None, specprefill_enabled=True)
+    with pytest.raises(ValueError, match="one scoring model"):
+        trio_mlx.EngineConfig(
+            model=None, specprefill_draft_layers=2, specprefill_draft_model="scorer"
+        )
+    with pytest.raises(ValueError, match="at least one layer"):
+        trio_mlx.EngineConfig(model=None, specprefill_draft_layers=0)
+
+
+def test_the_specprefill_layers_flag_reaches_the_engine() -> None:
+    flags = ["serve", "--specprefill", "--specprefill-draft-layers", "0-12"]
+    options = settings_from_args(build_parser().parse_args(flags)).engine_options
+    assert options["specprefill_draft_layers"] == tuple(range(13))

@@ -269,8 +269,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--specprefill",
         action="store_true",
         help="SpecPrefill (approximate): score long prompts with a small model's attention and "
-        "prefill only the kept part (needs --specprefill-draft-model, --draft-model or "
-        "--draft-layers, whose layers then score; not with --max-kv-size)",
+        "prefill only the kept part (needs --specprefill-draft-model, "
+        "--specprefill-draft-layers, --draft-model or --draft-layers; not with --max-kv-size)",
     )
     parser.add_argument(
         "--specprefill-threshold",
@@ -294,6 +294,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--specprefill-draft-model",
         default=None,
         help="the model SpecPrefill scores prompts with (default: --draft-model)",
+    )
+    parser.add_argument(
+        "--specprefill-draft-layers",
+        type=_draft_layers,
+        default=None,
+        metavar="N|LAYERS",
+        help="SpecPrefill scores with the model's own first N layers (or those listed) instead "
+        "of a second model, as GemFilter does (default: --draft-layers where no model is named)",
     )
     parser.add_argument(
         "--cache-memory-mb",

@@ -94,9 +94,9 @@ class EngineConfig:
       decode plainly).
     - `specprefill_enabled`: SpecPrefill (`engine/specprefill.py`, approximate): a prompt of at
       least `specprefill_threshold` tokens is scored by the attention of a small model
-      (`specprefill_draft_model`, else `draft_model`, else the model's own layers of
-      `draft_layers`, as GemFilter scores with a model's early layers: one is needed) and the
-      target prefills only
+      (`specprefill_draft_model`; else the model's own layers, `specprefill_draft_layers`, as
+      GemFilter scores with a model's early layers; else `draft_model`; else the self-draft's
+      layers, `draft_layers`: one is needed) and the target prefills only
       `specprefill_keep_pct` of it (always the last tokens and the first
       `specprefill_backbone_pct`) at their true positions. Requests may override it
       (`specprefill`, `specprefill_keep_pct`). Both routes: on the batched one a long prompt is
@@ -189,13 +189,27 @@ class EngineConfig:
     specprefill_keep_pct: float = 0.3
     specprefill_backbone_pct: float = 0.05
     specprefill_draft_model: str | Path | None = None
+    specprefill_draft_layers: int | tuple[int, ...] | None = None
 
     @property
     def specprefill_scorer(self) -> str | Path | None:
-        """The model SpecPrefill scores prompts with (None when SpecPrefill is off)."""
+        """The model SpecPrefill scores prompts with (None when SpecPrefill is off, or when the
+        model's own layers score: `specprefill_scorer_layers`)."""
         if not self.specprefill_enabled:
             return None
-        return self.specprefill_draft_model or self.draft_model
+        if self.specprefill_draft_model is not None or self.specprefill_draft_layers is not None:
+            return self.specprefill_draft_model
+        return self.draft_model
+
+    @property
+    def specprefill_scorer_layers(self) -> int | tuple[int, ...] | None:
+        """The model's own layers SpecPrefill scores with, where no scoring model is named:
+        `specprefill_draft_layers`, else the self-draft's (`draft_layers`)."""
+        if not self.specprefill_enabled or self.specprefill_scorer is not None:
+            return None
+        if self.specprefill_draft_layers is not None:
+            return self.specprefill_draft_layers
+        return self.draft_layers
 
     @property
     def admission_mode(self) -> AdmissionMode:
@@ -290,10 +304,22 @@ class EngineConfig:
             raise ValueError("specprefill_keep_pct must be greater than 0 and at most 1")
         if not 0.0 <= self.specprefill_backbone_pct <= 1.0:
             raise ValueError("specprefill_backbone_pct must be from 0 to 1")
-        if self.specprefill_enabled and self.specprefill_scorer is None and not self.draft_layers:
+        layers = self.specprefill_draft_layers
+        if layers is not None and (layers == () or (isinstance(layers, int) and layers < 1)):
+            raise ValueError("specprefill_draft_layers must keep at least one layer")
+        if layers is not None and self.specprefill_draft_model is not None:
             raise ValueError(
-                "specprefill needs a scoring model: specprefill_draft_model, draft_model or "
-                "draft_layers"
+                "specprefill_draft_model and specprefill_draft_layers cannot be combined: "
+                "one scoring model"
+            )
+        if (
+            self.specprefill_enabled
+            and self.specprefill_scorer is None
+            and self.specprefill_scorer_layers is None
+        ):
+            raise ValueError(
+                "specprefill needs a scoring model: specprefill_draft_model, "
+                "specprefill_draft_layers, draft_model or draft_layers"
             )
         if self.specprefill_enabled and self.max_kv_size is not None:
             raise ValueError("specprefill cannot be combined with max_kv_size")

@@ -132,6 +132,7 @@ class Runner:
         mtp: bool = False,
         mtp_num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         specprefill_model: str | Path | None = None,
+        specprefill_layers: int | tuple[int, ...] | None = None,
         specprefill: SpecPrefillSettings | None = None,
         mllm_draft_model: str | Path | None = None,
         mllm_draft_kind: str | None = None,
@@ -155,13 +156,7 @@ class Runner:
             mtp=mtp,
             num_draft_tokens=mtp_num_draft_tokens if mtp else num_draft_tokens,
             specprefill_model=specprefill_model,
-            # no scoring model of its own: the self-draft's layers score (`draft_layers`)
-            specprefill_self=bool(
-                specprefill is not None
-                and specprefill.enabled
-                and specprefill_model is None
-                and draft_layers is not None
-            ),
+            specprefill_layers=specprefill_layers,
             mllm_draft_model=mllm_draft_model,
             mllm_draft_kind=mllm_draft_kind,
             mllm_draft_block_size=mllm_draft_block_size,

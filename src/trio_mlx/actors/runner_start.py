@@ -5,8 +5,8 @@ between them (a load cannot be interrupted; what follows it is skipped when the 
 meanwhile: see `Runner._run_thread`):
 1. `load_models`: the target model (with its MTP head for native MTP), the draft model, the
    self-draft (the target's first layers: `engine/self_draft.py`) or the MTP drafter, and
-   SpecPrefill's scoring model (the draft's own when both name the same model; the self-draft
-   where none is named and `draft_layers` is set), each checked against the target
+   SpecPrefill's scoring model (the draft's own when both name the same model; the model's own
+   layers where none is named: `specprefill_layers`), each checked against the target
    (`speculative.check_draft`); on a vision-language model, the mlx-vlm drafter of its requests
    with media (`multimodal.drafted`, checked by mlx-vlm and one short drafted generation).
    Raises the load's error (`ModelLoadError`), which `Runner.run` raises before `started`.
@@ -43,7 +43,7 @@ from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.mtp import MtpDrafter
 from trio_mlx.engine.quantized_rows import apply_threshold
 from trio_mlx.engine.scheduling import PrefillPacer
-from trio_mlx.engine.self_draft import self_draft
+from trio_mlx.engine.self_draft import first_layers, self_draft
 from trio_mlx.engine.speculative import Speculator, check_draft
 from trio_mlx.errors import ModelLoadError
 from trio_mlx.multimodal.drafted import load_media_drafter
@@ -84,8 +84,8 @@ class StartOptions:
     mllm_draft_model: str | Path | None = None
     mllm_draft_kind: str | None = None
     mllm_draft_block_size: int | None = None
-    #: SpecPrefill scores with the self-draft's layers (`draft_layers`, no scoring model given)
-    specprefill_self: bool = False
+    #: the model's own layers SpecPrefill scores with, where no scoring model is named
+    specprefill_layers: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mtp and self.draft_model is not None:
@@ -150,8 +150,8 @@ def load_models(options: StartOptions) -> LoadedModels:
             scoring = loader(options.specprefill_model)
             check_draft(loaded, scoring, options.max_kv_size)
             scorer = scoring.model
-    elif options.specprefill_self and options.draft_layers is not None:
-        scorer = draft.model  # the target's own layers (`self_draft`)
+    elif options.specprefill_layers is not None:
+        scorer = first_layers(loaded.model, options.specprefill_layers)  # shares its weights
     media_drafter: Any = None
     if options.mllm_draft_model is not None:
         if loaded.multimodal is None:

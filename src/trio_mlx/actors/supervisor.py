@@ -84,6 +84,7 @@ async def _serve(
         mtp=cfg.mtp,
         mtp_num_draft_tokens=cfg.mtp_num_draft_tokens,
         specprefill_model=cfg.specprefill_scorer,
+        specprefill_layers=cfg.specprefill_scorer_layers,
         specprefill=SpecPrefillSettings(
             enabled=cfg.specprefill_enabled,
             threshold=cfg.specprefill_threshold,

@@ -238,6 +238,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             engine_options["specprefill_draft_model"] = (
                 Path(scorer) if Path(scorer).exists() else scorer
             )
+        scoring_layers = getattr(args, "specprefill_draft_layers", None)
+        if scoring_layers is not None:
+            engine_options["specprefill_draft_layers"] = scoring_layers
     kv_mb = getattr(args, "kv_memory_mb", None)
     if kv_mb is not None:
         engine_options["kv_memory_bytes"] = int(kv_mb * 1024 * 1024)
