@@ -190,26 +190,38 @@ class CompiledDecode:
         no request pays for it; returns False (nothing done) when the model's fresh cache does
         not fit the traced step. Raises whatever the trace or the step raises. Larger buckets are
         traced on inputs never evaluated: no memory is allocated for them."""
+        cache = self._one_token_cache()
+        if cache is None:
+            return False
+        token = mx.array([0], dtype=mx.uint32)
+        for greedy in (True, False):
+            mx.eval(self.step(token, cache, greedy=greedy))
+        for size in self._buckets(bucket_size(cache[0].offset + 1, self.first_bucket), up_to):
+            arrays = _zero_buffers(cache, 1, size)
+            for traced in (self._greedy, self._logits):
+                traced(token, mx.array(0, dtype=mx.int32), *arrays)  # traced, never evaluated
+        return True
+
+    def _one_token_cache(self) -> list[Any] | None:
+        """A fresh cache of the model holding one position, or None where it does not fit the
+        traced step (`fits`). The position is not evaluated: the cache gives the buffers'
+        shapes and dtypes."""
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self._model)
         if not self.fits(cache):
-            return False
+            return None
         self._model(mx.array([[0]], dtype=mx.uint32), cache=cache)
-        token = mx.array([0], dtype=mx.uint32)
-        for greedy in (True, False):
-            mx.eval(self.step(token, cache, greedy=greedy))
-        size = bucket_size(cache[0].offset + 1, self.first_bucket)
+        return cache
+
+    def _buckets(self, after: int, up_to: int) -> list[int]:
+        """The bucket sizes past `after`, up to the first that reaches `up_to`."""
+        sizes = []
+        size = after
         while size < up_to:
             size = bucket_size(size + 1, self.first_bucket)
-            arrays = [
-                mx.zeros((*a.shape[:2], size, a.shape[3]), dtype=a.dtype)
-                for layer in cache
-                for a in (layer.keys, layer.values)
-            ]
-            for traced in (self._greedy, self._logits):
-                traced(token, mx.array(0, dtype=mx.int32), *arrays)  # traced, never evaluated
-        return True
+            sizes.append(size)
+        return sizes
 
     def _trace(self, greedy: bool, tokens: Any, offset: Any, *arrays: Any) -> list[Any]:
         valid = mx.arange(arrays[0].shape[2]) <= offset
@@ -262,22 +274,12 @@ class CompiledDecode:
         requests on the 1B bf16 shape when only the traces were made ahead). The buffers are
         freed after each. False (nothing done) where the model's cache cannot take the traced
         step. Raises whatever a trace or a step raises."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self._model)
-        if not self.fits(cache):
+        cache = self._one_token_cache()
+        if cache is None:
             return False
-        self._model(mx.array([[0]], dtype=mx.uint32), cache=cache)
-        shapes = [(layer.keys.shape, layer.keys.dtype) for layer in cache]
         for b in rows:
-            size = 0
-            while size < up_to:
-                size = bucket_size(size + 1, self.first_bucket)
-                arrays = [
-                    mx.zeros((b, shape[1], size, shape[3]), dtype=dtype)
-                    for shape, dtype in shapes
-                    for _ in range(2)
-                ]
+            for size in self._buckets(0, up_to):
+                arrays = _zero_buffers(cache, b, size)
                 index = mx.zeros((b,), dtype=mx.int32)
                 mx.eval(
                     self._batch(
@@ -304,6 +306,16 @@ class CompiledDecode:
         ]
         logits = self._model(tokens[:, None], cache=layers)[:, -1, :]
         return [logits, offset + 1, *(a for layer in layers for a in (layer.keys, layer.values))]
+
+
+def _zero_buffers(cache: Sequence[Any], rows: int, size: int) -> list[Any]:
+    """Zeroed key and value buffers shaped as `cache`'s, of `rows` rows and `size` positions,
+    in the traced steps' argument order (each layer's keys, then its values)."""
+    return [
+        mx.zeros((rows, a.shape[1], size, a.shape[3]), dtype=a.dtype)
+        for layer in cache
+        for a in (layer.keys, layer.values)
+    ]
 
 
 def _relaid(buffer: Any, offset: int, size: int) -> Any:
