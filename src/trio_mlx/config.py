@@ -266,28 +266,20 @@ class EngineConfig:
             raise ValueError("mtp_num_draft_tokens must be >= 1")
         if self.mtp and self.draft_model is not None:
             raise ValueError("mtp cannot be combined with draft_model: one drafter at a time")
-        if self.draft_layers is not None:
-            if isinstance(self.draft_layers, int) and self.draft_layers < 1:
-                raise ValueError("draft_layers must be >= 1")
-            if not isinstance(self.draft_layers, int) and not self.draft_layers:
-                raise ValueError("draft_layers must keep at least one layer")
-            if self.draft_model is not None or self.mtp:
-                raise ValueError(
-                    "draft_layers cannot be combined with draft_model or mtp: one drafter at a time"
-                )
-            if self.max_kv_size is not None:
-                raise ValueError(
-                    "draft_layers cannot be combined with max_kv_size: speculative decoding cuts "
-                    "the KV cache back after refused drafts, which a rotating cache cannot do"
-                )
-        if self.mtp and self.max_kv_size is not None:
+        _check_layers("draft_layers", self.draft_layers)
+        if self.draft_layers is not None and (self.draft_model is not None or self.mtp):
             raise ValueError(
-                "mtp cannot be combined with max_kv_size: speculative decoding cuts the "
-                "KV cache back after refused drafts, which a rotating cache cannot do"
+                "draft_layers cannot be combined with draft_model or mtp: one drafter at a time"
             )
-        if self.draft_model is not None and self.max_kv_size is not None:
+        drafters = {
+            "mtp": self.mtp,
+            "draft_model": self.draft_model is not None,
+            "draft_layers": self.draft_layers is not None,
+        }
+        drafter = next((name for name, on in drafters.items() if on), None)
+        if drafter is not None and self.max_kv_size is not None:
             raise ValueError(
-                "draft_model cannot be combined with max_kv_size: speculative decoding cuts the "
+                f"{drafter} cannot be combined with max_kv_size: speculative decoding cuts the "
                 "KV cache back after refused drafts, which a rotating cache cannot do"
             )
         if self.mllm_draft_kind is not None and self.mllm_draft_kind not in MLLM_DRAFT_KINDS:
@@ -304,10 +296,8 @@ class EngineConfig:
             raise ValueError("specprefill_keep_pct must be greater than 0 and at most 1")
         if not 0.0 <= self.specprefill_backbone_pct <= 1.0:
             raise ValueError("specprefill_backbone_pct must be from 0 to 1")
-        layers = self.specprefill_draft_layers
-        if layers is not None and (layers == () or (isinstance(layers, int) and layers < 1)):
-            raise ValueError("specprefill_draft_layers must keep at least one layer")
-        if layers is not None and self.specprefill_draft_model is not None:
+        _check_layers("specprefill_draft_layers", self.specprefill_draft_layers)
+        if self.specprefill_draft_layers is not None and self.specprefill_draft_model is not None:
             raise ValueError(
                 "specprefill_draft_model and specprefill_draft_layers cannot be combined: "
                 "one scoring model"
@@ -325,3 +315,10 @@ class EngineConfig:
             raise ValueError("specprefill cannot be combined with max_kv_size")
         if self.admission == "wait" and self.max_waiting == 0:
             raise ValueError("admission='wait' needs max_waiting > 0")
+
+
+def _check_layers(name: str, layers: int | tuple[int, ...] | None) -> None:
+    """A model's own layers as a drafter or scorer (`engine/self_draft.py`) keep at least one:
+    N >= 1, or a non-empty tuple of indices (which of them the model has is checked at load)."""
+    if layers is not None and (layers == () or (isinstance(layers, int) and layers < 1)):
+        raise ValueError(f"{name} must keep at least one layer (N >= 1)")

@@ -33,7 +33,7 @@ from trio_mlx.actors.model_info import ModelInfo, describe
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import PrefillPlan
 from trio_mlx.engine.fast_decode import (
-    default_traced_batch_rows,
+    DEFAULT_TRACED_BATCH_ROWS,
     prepare_batch_step,
     prepare_fast_decode,
 )
@@ -213,11 +213,9 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
             "the model's MTP head" if options.mtp else draft.name,
             options.num_draft_tokens,
         )
-    traced_rows = (
-        default_traced_batch_rows(loaded.model)
-        if options.traced_batch_rows is None
-        else options.traced_batch_rows
-    )
+    traced_rows = options.traced_batch_rows
+    if traced_rows is None:
+        traced_rows = DEFAULT_TRACED_BATCH_ROWS
     traced_rows = min(traced_rows, options.max_num_seqs) if batching and not multimodal else 0
     batch_step = prepare_batch_step(loaded.model, traced_rows, reuse=compiled)
     if options.max_num_seqs > 1 and not mergeable:

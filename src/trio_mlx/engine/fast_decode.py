@@ -63,10 +63,9 @@ def default_compiled_decode() -> bool:
     return False
 
 
-def default_traced_batch_rows(model: Any) -> int:
-    """0 (off) on every backend: measured faster on the 1B bf16 shape only, with a start-up
-    cost (module docstring); `--traced-batch-rows 8` turns it on."""
-    return 0
+#: `traced_batch_rows` when none is given: 0 (off) on every backend, measured faster on the 1B
+#: bf16 shape only, with a start-up cost (module docstring); `--traced-batch-rows 8` turns it on.
+DEFAULT_TRACED_BATCH_ROWS = 0
 
 
 def prepare_batch_step(model: Any, rows: int, *, reuse: CompiledDecode | None = None) -> Any:
