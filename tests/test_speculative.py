@@ -276,13 +276,18 @@ async def test_batched_rows_speculate_once_alone_and_match_plain_decoding(
 
 
 @ROUTES
+@pytest.mark.parametrize("drafter", ["near", "self"], ids=["draft-model", "own-first-layer"])
 async def test_aborting_mid_stream_leaves_the_engine_serving_the_same_output(
-    tiny_model_dir: Path, near_draft_dir: Path, max_num_seqs: int
+    tiny_model_dir: Path, near_draft_dir: Path, max_num_seqs: int, drafter: str
 ) -> None:
+    """With a draft model, or the target's own first layer drafting (`draft_layers`)."""
     sampling = {"max_tokens": 40, "temperature": 0.0}
     expected = (await plain_outputs(tiny_model_dir, PROMPTS[:1], **sampling))[0]
+    drafting: dict[str, Any] = (
+        {"draft_model": near_draft_dir} if drafter == "near" else {"draft_layers": 1}
+    )
     async with trio_mlx.open_engine(
-        tiny_model_dir, max_num_seqs=max_num_seqs, draft_model=near_draft_dir
+        tiny_model_dir, max_num_seqs=max_num_seqs, **drafting
     ) as engine:
         seen = 0
         async for out in engine.stream_generate(PROMPTS[0], **sampling):
