@@ -27,7 +27,7 @@ from bench.models import resolve_subject
 from mlx_lm.generate import generate_step
 
 from trio_mlx.engine.loading import load_model
-from trio_mlx.engine.self_draft import describe_layers, first_layers, layer_count, parse_layers
+from trio_mlx.engine.self_draft import cut_model, describe_layers, layer_count, parse_layers
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle. "
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = continuations(loaded.model, loaded.tokenizer, args.tokens)
     rows = []
     for layers in args.draft_layers:
-        draft = first_layers(loaded.model, layers)
+        draft = cut_model(loaded.model, layers)
         kept = len(draft.model.layers)
         row = {
             "draft_layers": describe_layers(layers),

@@ -22,7 +22,7 @@ from tiny_model import build_tiny_model
 from trio_mlx.cli import build_parser
 from trio_mlx.engine.loading import load_model
 from trio_mlx.engine.prompt_cache import make_cache
-from trio_mlx.engine.self_draft import describe_layers, first_layers, parse_layers
+from trio_mlx.engine.self_draft import cut_model, describe_layers, parse_layers
 from trio_mlx.errors import ModelLoadError
 from trio_mlx.http.server import settings_from_args
 
@@ -64,7 +64,7 @@ async def plain(model: Path, prompts: list[str], **sampling: Any) -> list[Any]:
 def test_the_cut_shares_the_targets_weights_and_exits_early(deep_model_dir: Path) -> None:
     loaded = load_model(deep_model_dir)
     target = loaded.model
-    cut = first_layers(target, 2)
+    cut = cut_model(target, 2)
     assert len(target.model.layers) == 4  # the target is untouched
     assert [id(x) for x in cut.model.layers] == [id(x) for x in target.model.layers[:2]]
     weights = {id(v) for _, v in tree_flatten(target.parameters())}
@@ -82,7 +82,7 @@ def test_the_cut_shares_the_targets_weights_and_exits_early(deep_model_dir: Path
 
 def test_a_draft_of_chosen_layers_runs_them_in_order(deep_model_dir: Path) -> None:
     target = load_model(deep_model_dir).model
-    draft = first_layers(target, (0, 3))
+    draft = cut_model(target, (0, 3))
     assert [id(x) for x in draft.model.layers] == [id(target.model.layers[i]) for i in (0, 3)]
     assert len(make_cache(draft)) == 2
     tokens = mx.array([[5, 17, 300, 9]], dtype=mx.uint32)
@@ -108,7 +108,7 @@ def test_a_draft_outside_the_models_layers_is_refused(
 ) -> None:
     target = load_model(deep_model_dir).model
     with pytest.raises(ModelLoadError, match=message):
-        first_layers(target, layers)
+        cut_model(target, layers)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_a_model_of_another_layout_is_refused() -> None:
             self.layers: list[Any] = []
 
     with pytest.raises(ModelLoadError, match="use a draft model"):
-        first_layers(Flat(), 1)
+        cut_model(Flat(), 1)
 
 
 @ROUTES

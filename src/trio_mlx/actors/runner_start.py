@@ -43,7 +43,7 @@ from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.mtp import MtpDrafter
 from trio_mlx.engine.quantized_rows import apply_threshold
 from trio_mlx.engine.scheduling import PrefillPacer
-from trio_mlx.engine.self_draft import first_layers, self_draft
+from trio_mlx.engine.self_draft import cut_model, self_draft
 from trio_mlx.engine.speculative import Speculator, check_draft
 from trio_mlx.errors import ModelLoadError
 from trio_mlx.multimodal.drafted import load_media_drafter
@@ -151,7 +151,7 @@ def load_models(options: StartOptions) -> LoadedModels:
             check_draft(loaded, scoring, options.max_kv_size)
             scorer = scoring.model
     elif options.specprefill_layers is not None:
-        scorer = first_layers(loaded.model, options.specprefill_layers)  # shares its weights
+        scorer = cut_model(loaded.model, options.specprefill_layers)  # shares its weights
     media_drafter: Any = None
     if options.mllm_draft_model is not None:
         if loaded.multimodal is None:

@@ -23,7 +23,7 @@ on its own greedy continuations): the first 8 layers 0.03, 15 0.08, 22 0.23, 26 
 all but 13-16 (26 layers) 0.56, all but 14-15 (28) 0.66. On a GPU where a decode step is bound
 by launching kernels, a draft step costs about its share of the layers of a target step.
 
-`first_layers` cuts an mlx-lm model whose layers live in `model.model.layers` and whose forward
+`cut_model` cuts an mlx-lm model whose layers live in `model.model.layers` and whose forward
 pass runs them in order (llama, tested here, and the models laid out like it); a model of another
 layout, or whose cut cannot run (a layer schedule indexed past the cut), is refused with a clear
 error.
@@ -44,8 +44,8 @@ from trio_mlx.errors import ModelLoadError
 
 __all__ = [
     "DraftLayers",
+    "cut_model",
     "describe_layers",
-    "first_layers",
     "kept_layers",
     "layer_count",
     "parse_layers",
@@ -109,7 +109,7 @@ def layer_count(model: Any) -> int | None:
     return len(layers) if isinstance(layers, list) else None
 
 
-def first_layers(model: Any, layers: DraftLayers) -> Any:
+def cut_model(model: Any, layers: DraftLayers) -> Any:
     """`model` with only `layers` (the first N, or the indices kept): the same embedding,
     layers, final norm and head (shared, not copied), a cache of one entry a kept layer.
     Raises `ModelLoadError` where it cannot."""
@@ -147,5 +147,5 @@ def self_draft(target: LoadedModel, layers: DraftLayers) -> LoadedModel:
         f"first {layers} layers" if isinstance(layers, int) else f"layers {describe_layers(layers)}"
     )
     return dataclasses.replace(
-        target, model=first_layers(target.model, layers), name=f"{target.name} ({name})"
+        target, model=cut_model(target.model, layers), name=f"{target.name} ({name})"
     )
