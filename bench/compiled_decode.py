@@ -20,7 +20,11 @@ queuing step k+1 before reading token k (as the engine does):
   a numeric check of the kernel against the same arithmetic in MLX ops (`kernel_check`);
 - `engine`: `decode.ActiveSequence` with the traced step on the fused model, stepped as the
   runner steps it (the real per-step code, total time only);
-- `engine_fused`: the same without the traced step (what a GPU serves by default).
+- `engine_fused`: the same without the traced step;
+- `lean`, `lean+fused`: the lean one-token step (`engine/lean_step.py`: the model's arithmetic in
+  fewer graph nodes) on the unfused and the fused model;
+- `engine_lean`: `decode.ActiveSequence` with the lean step on the fused model (what a GPU
+  serves by default).
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
 (`build_ms`: Python, or the traced step's replay), queuing it (`dispatch_ms`: `mx.async_eval`,
 MLX's C++ dispatch and kernel launches), waiting for the token (`wait_ms`: the device behind the
@@ -57,6 +61,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.fused import fuse_projections
+from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.types import SamplingParams
 
 VARIANTS = (
@@ -68,6 +73,9 @@ VARIANTS = (
     "kernel",
     "engine",
     "engine_fused",
+    "lean",
+    "lean+fused",
+    "engine_lean",
 )
 DEFAULT_MODELS = "synthetic:llama-1b-bf16,synthetic:llama-8b-bf16,synthetic:llama-8b-q4"
 
@@ -184,7 +192,7 @@ def plain_step(model: Any) -> Callable[[Any, list[Any]], Any]:
     return lambda token, cache: mx.argmax(model(token[None], cache=cache)[:, -1, :], axis=-1)
 
 
-def compiled_step(decoder: CompiledDecode) -> Callable[[Any, list[Any]], Any]:
+def compiled_step(decoder: CompiledDecode | LeanStep) -> Callable[[Any, list[Any]], Any]:
     return lambda token, cache: decoder.step(token, cache, greedy=True)
 
 
@@ -202,7 +210,11 @@ def mlx_lm_decode(model: Any, prompt: Any, cell: Cell) -> tuple[float, float]:
 
 
 def engine_decode(
-    model: Any, prompt: tuple[int, ...], cell: Cell, decoder: CompiledDecode | None, vocab: int
+    model: Any,
+    prompt: tuple[int, ...],
+    cell: Cell,
+    decoder: CompiledDecode | LeanStep | None,
+    vocab: int,
 ) -> tuple[float, float]:
     job = GenerationJob(1, prompt, SamplingParams(max_tokens=cell.n, temperature=0.0))
     seq = ActiveSequence(
@@ -221,7 +233,7 @@ def run_variant(
     variant: str,
     model: Any,
     fused: Any,
-    decoders: dict[str, CompiledDecode],
+    decoders: dict[str, CompiledDecode | LeanStep],
     ids: Any,
     cell: Cell,
     vocab: int,
@@ -229,11 +241,12 @@ def run_variant(
     prompt = ids.astype(mx.uint32)
     if variant == "mlx_lm":
         return mlx_lm_decode(model, prompt, cell)
-    if variant in ("engine", "engine_fused"):
+    if variant in ("engine", "engine_fused", "engine_lean"):
         ids_tuple = tuple(int(i) for i in ids.tolist())
-        decoder = decoders["compiled+fused"] if variant == "engine" else None
+        engine_step = {"engine": "compiled+fused", "engine_lean": "lean+fused"}
+        decoder = decoders[engine_step[variant]] if variant in engine_step else None
         return engine_decode(fused, ids_tuple, cell, decoder, vocab)
-    subject = model if variant in ("plain", "compiled") else fused
+    subject = model if variant in ("plain", "compiled", "lean") else fused
     decoder = decoders.get(variant)
     step = plain_step(subject) if decoder is None else compiled_step(decoder)
     return loop_decode(subject, prompt, cell, step)
@@ -288,9 +301,11 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
     fused = structural_copy(model)  # the same arrays; fusing it leaves `model` as it was
     groups = fuse_projections(fused)
     mx.eval(fused.parameters())
-    decoders = {
+    decoders: dict[str, CompiledDecode | LeanStep] = {
         "compiled": CompiledDecode(model, attention_kernel=False),
         "compiled+fused": CompiledDecode(fused, attention_kernel=False),
+        "lean": LeanStep(model),
+        "lean+fused": LeanStep(fused),
     }
     check = kernel_check(model) if "kernel" in args.variants else {"skipped": "not asked"}
     if "error" not in check and "skipped" not in check:

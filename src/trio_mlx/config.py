@@ -123,6 +123,10 @@ class EngineConfig:
       projections are not quantized (H200, the same bench: 1.07–1.44x the plain step on the
       bf16 shapes, 0.93–1.01x on 4-bit), off on the CPU (where arithmetic, not kernel
       launches, sets a step's time).
+    - `lean_decode`: a lone sequence's one-token steps (either route) go through the lean step
+      (`engine/lean_step.py`: the model's own arithmetic, for mlx-lm's llama, qwen2 and qwen3,
+      in ~40% fewer graph nodes: on a GPU a batch-1 step costs the host per node). None: on
+      where MLX runs on a GPU, off on the CPU. Ignored where `compiled_decode` serves.
     - `dequantize_from_rows`: a quantized layer multiplies an input of at least this many rows
       (the sequences of a decode batch, the tokens of a prefill chunk) by its weight dequantized
       for the one product, a dense matrix product, instead of MLX's quantized kernel, whose cost
@@ -169,6 +173,7 @@ class EngineConfig:
     compiled_decode: bool | None = None
     traced_batch_rows: int | None = None
     fused_projections: bool | None = None
+    lean_decode: bool | None = None
     dequantize_from_rows: int | None = None
     gil_switch_interval: float | None = None
     cuda_sdpa_graph_cache: int | None = None

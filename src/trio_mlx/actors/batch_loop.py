@@ -116,6 +116,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
         # every size with TRIO_MLX_COMPILED_BATCH=on and compiled_decode; else small batches
         compiled=runner.compiled if traced_everywhere else runner.batch_step,
         compiled_rows=None if traced_everywhere else runner.traced_batch_rows,
+        lean=runner.lean,
         padded_prefill=_padded_prefill(loaded.model, plan.block, plan.step),
     )
     lane = MediaLane(runner, loaded, batch)

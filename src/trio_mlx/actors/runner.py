@@ -91,6 +91,7 @@ from trio_mlx.actors.snapshot_keeper import SnapshotKeeper
 from trio_mlx.actors.stream import TokenSink
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
+from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.engine.loading import LoadedModel, load_model
 from trio_mlx.engine.scheduling import DEFAULT_CHUNK_SECONDS, PrefillPacer
 from trio_mlx.engine.specprefill import SpecPrefillCounters, SpecPrefillSettings
@@ -124,6 +125,7 @@ class Runner:
         compiled_decode: bool | None = None,
         traced_batch_rows: int | None = None,
         fused_projections: bool | None = None,
+        lean_decode: bool | None = None,
         dequantize_from_rows: int | None = None,
         loader: ModelLoader = load_model,
         draft_model: str | Path | None = None,
@@ -150,6 +152,7 @@ class Runner:
             compiled_decode=compiled_decode,
             traced_batch_rows=traced_batch_rows,
             fused_projections=fused_projections,
+            lean_decode=lean_decode,
             dequantize_from_rows=dequantize_from_rows,
             draft_model=draft_model,
             draft_layers=draft_layers,
@@ -179,6 +182,8 @@ class Runner:
         self._max_kv_size = max_kv_size
         #: the model's traced decode step (`fast_decode`), None when off or unsupported
         self.compiled: CompiledDecode | None = None
+        #: the model's lean one-token step (`fast_decode.prepare_lean_step`), None when off
+        self.lean: LeanStep | None = None
         #: the traced batch step of small batches (`fast_decode.prepare_batch_step`) and the
         #: most rows it takes
         self.batch_step: CompiledDecode | None = None
@@ -363,7 +368,8 @@ class Runner:
             self._serve_on_this_thread(report_ready)
         finally:
             self._snapshots.drop_all()  # MLX arrays are released on their own thread
-            self.compiled = self.batch_step = None  # their traces hold the model's arrays
+            # their traces (the lean step: views of its weights) hold the model's arrays
+            self.compiled = self.batch_step = self.lean = None
 
     def _serve_on_this_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         """Load (`runner_start`), report ready, then serve on the route chosen at start-up."""
@@ -377,6 +383,7 @@ class Runner:
             return
         setup = prepare_serving(models, self._options)
         self.compiled = setup.compiled
+        self.lean = setup.lean
         self.batch_step, self.traced_batch_rows = setup.batch_step, setup.traced_batch_rows
         self._prefill_plan = setup.prefill_plan
         self.pacer = setup.pacer

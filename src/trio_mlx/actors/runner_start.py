@@ -36,8 +36,10 @@ from trio_mlx.engine.fast_decode import (
     DEFAULT_TRACED_BATCH_ROWS,
     prepare_batch_step,
     prepare_fast_decode,
+    prepare_lean_step,
 )
 from trio_mlx.engine.kernel_warmup import warm_quantized_kernels
+from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.engine.model_probe import probe_cache
 from trio_mlx.engine.mtp import MtpDrafter
@@ -69,6 +71,8 @@ class StartOptions:
     #: batches of 2 to this many rows take a traced step (None: the backend's default)
     traced_batch_rows: int | None
     fused_projections: bool | None
+    #: a lone sequence's steps through the lean one-token step (None: the backend's default)
+    lean_decode: bool | None
     #: rows from which quantized layers dequantize (`quantized_rows`; None: the backend's default)
     dequantize_from_rows: int | None
     draft_model: str | Path | None
@@ -122,6 +126,8 @@ class ServingSetup:
     #: the traced step of batches of 2 to `traced_batch_rows` rows (None: the plain step)
     batch_step: CompiledDecode | None = None
     traced_batch_rows: int = 0
+    #: the lean one-token step of lone sequences, where no traced step serves (None: off)
+    lean: LeanStep | None = None
 
 
 def load_models(options: StartOptions) -> LoadedModels:
@@ -179,6 +185,7 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
     compiled = prepare_fast_decode(
         loaded.model, compiled_option, options.fused_projections, dequantize_from_rows=rows
     )
+    lean = prepare_lean_step(loaded.model, options.lean_decode) if compiled is None else None
     if draft is not None and not options.mtp:  # a draft model's steps are launch-bound too
         prepare_fast_decode(
             draft.model, False, options.fused_projections, dequantize_from_rows=rows
@@ -235,4 +242,5 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
         speculator=speculator,
         batch_step=batch_step,
         traced_batch_rows=traced_rows if batch_step is not None else 0,
+        lean=lean,
     )

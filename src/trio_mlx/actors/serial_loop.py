@@ -173,7 +173,7 @@ def _take_commands(
             rewindable = not job.logits_processors and job.grammar is None
             speculator = runner.speculator if rewindable else None
             make = (
-                partial(ActiveSequence, compiled=runner.compiled)
+                partial(ActiveSequence, compiled=runner.compiled or runner.lean)
                 if speculator is None
                 else partial(SpeculativeSequence, speculator)
             )

@@ -76,6 +76,7 @@ async def _serve(
         compiled_decode=cfg.compiled_decode,
         traced_batch_rows=cfg.traced_batch_rows,
         fused_projections=cfg.fused_projections,
+        lean_decode=cfg.lean_decode,
         dequantize_from_rows=cfg.dequantize_from_rows,
         loader=loader,
         draft_model=cfg.draft_model,

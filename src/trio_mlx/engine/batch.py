@@ -94,6 +94,7 @@ from trio_mlx.engine.batch_step import (
 from trio_mlx.engine.compiled_step import COMPILABLE_MODULES, CompiledDecode
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
 from trio_mlx.engine.decode_attention import install_dispatcher
+from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.engine.padded_attention import padded_attention_default
 from trio_mlx.engine.prefill_shapes import padded_prefill_default
 from trio_mlx.engine.ragged_attention import RaggedPlan
@@ -149,6 +150,7 @@ class BatchDecoder:
         compiled_rows: int | None = None,
         padded_prefill: bool | None = None,
         pipelined: bool | None = None,
+        lean: LeanStep | None = None,
     ) -> None:
         self._model = model
         #: the next step is queued before the last one is read (None: where that pays,
@@ -163,6 +165,8 @@ class BatchDecoder:
         self._solo_rows = self.solo_rows and not every_size
         #: decode steps that took the traced batch step
         self.traced_steps = 0
+        #: the lone row's one-token step, on its own cache (`lean_step`; None: the model's)
+        self._lean = lean
         self._eos = eos_token_ids
         self._vocab = vocab_size
         self._plan = plan
@@ -343,7 +347,10 @@ class BatchDecoder:
         if logits is None:
             if traced is None and mix:  # no chunk rode in the pass after all
                 traced = self._traced_step(rows) if own is None else None
-            logits = forward(self._model, rows, self._inputs, self._cache, own=own, compiled=traced)
+            lean = self._lean if self.solo and own is None else None
+            logits = forward(
+                self._model, rows, self._inputs, self._cache, own=own, compiled=traced, lean=lean
+            )
             self.traced_steps += traced is not None
         # No periodic `mx.clear_cache()` (mlx-lm's generate clears every 256 tokens): the
         # batched route bounds MLX's buffer cache instead (`batch_loop.BATCH_CACHE_LIMIT`), and

@@ -37,6 +37,7 @@ from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import PendingToken, read_logprobs
+from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
 
@@ -118,15 +119,19 @@ def forward(
     *,
     own: Any,
     compiled: CompiledDecode | None,
+    lean: LeanStep | None = None,
 ) -> Any:
     """The step's forward pass over `inputs` (one token a row) on the batch's `cache`; return
     its logits (shape (rows, vocab), lazy). The model it takes: `own`, a lone row's own model
-    (`batch_lone_media.lone_step_model`), where given; else the traced batch step where the
-    cache fits it and no row is at a rope delta; else `model`, with each row's delta where any
-    row continues a prompt with media (`BatchSequence.rope_delta`)."""
+    (`batch_lone_media.lone_step_model`), where given; else `lean`, a lone row's lean step
+    (`lean_step`), where its cache fits it and it is at no rope delta; else the traced batch
+    step where the cache fits it and no row is at a rope delta; else `model`, with each row's
+    delta where any row continues a prompt with media (`BatchSequence.rope_delta`)."""
     shifted = any(seq.rope_delta for seq in rows)
     if own is not None:
         return own(inputs[:, None], cache=cache)[:, -1, :]
+    if lean is not None and len(rows) == 1 and not shifted and lean.fits(cache):
+        return lean.logits(inputs, cache)
     if not shifted and compiled is not None and compiled.batch_fits(cache):
         return compiled.batch_logits(inputs, cache)
     if shifted:

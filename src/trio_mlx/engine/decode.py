@@ -72,6 +72,7 @@ from trio_mlx.engine.generation_job import (
     StepResult,
     read_logprobs,
 )
+from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.engine.padded_attention import forward_run, padded_attention_default
 from trio_mlx.engine.prompt_cache import make_cache
 from trio_mlx.engine.sampling import TokenSelector, logprob_arrays
@@ -106,8 +107,9 @@ class ActiveSequence:
     own. Otherwise a fresh cache is made (`prompt_cache.make_cache`, bounded by `max_kv_size`).
     `prefill` says how the prompt is cut (`PrefillPlan`); with a block, a restored cache must hold
     a multiple of it, and the cache must be trimmable (no `split_at_store_points`).
-    `compiled`: the model's traced decode step (`compiled_step`); one-token forward passes use it
-    when the cache fits it (`CompiledDecode.fits`), prefill never does.
+    `compiled`: the model's traced decode step (`compiled_step`) or its lean one-token step
+    (`lean_step`); one-token forward passes use it when the cache fits it (`fits`), prefill never
+    does.
     """
 
     jump_forward = True
@@ -124,7 +126,7 @@ class ActiveSequence:
         cache: list[Any] | None = None,
         cached_tokens: int = 0,
         split_at_store_points: bool = True,
-        compiled: CompiledDecode | None = None,
+        compiled: CompiledDecode | LeanStep | None = None,
     ) -> None:
         if not job.prompt_tokens:
             raise ValueError("a generation needs at least one prompt token")
@@ -253,8 +255,9 @@ class ActiveSequence:
             mx.async_eval(raw)  # the device runs the pass while the host computes the mask
         return self._select(raw)
 
-    def _compiled_for(self, tokens: Any) -> CompiledDecode | None:
-        """The traced step, when it can take this pass (one token, a cache it fits, not empty)."""
+    def _compiled_for(self, tokens: Any) -> CompiledDecode | LeanStep | None:
+        """The traced or lean step, when it can take this pass (one token, a cache it fits, not
+        empty)."""
         compiled = self._compiled if tokens.shape[0] == 1 else None
         if compiled is not None and not self._fits_checked:
             self._fits_checked = True  # a cache's layer classes never change
@@ -265,7 +268,7 @@ class ActiveSequence:
         return compiled
 
     def _logits(
-        self, tokens: Any, position: int = -1, compiled: CompiledDecode | None = None
+        self, tokens: Any, position: int = -1, compiled: CompiledDecode | LeanStep | None = None
     ) -> Any:
         if compiled is None:
             return self._model(tokens[None], cache=self._cache)[:, position, :]
@@ -396,13 +399,14 @@ class ActiveSequence:
     def _forced_run(self, width: int, room: int) -> list[int]:
         """The tokens the grammar forces next (`structured/forced_runs`), at most `room`, for a
         sequence that may jump forward: greedy with nothing but its mask shaping the choice, no
-        logprobs, plain trimmable caches, not the traced step. Consumed by the matcher."""
+        logprobs, plain trimmable caches, not the traced step (the lean one keeps the cache
+        plain). Consumed by the matcher."""
         assert self._grammar is not None
         eligible = (
             self.jump_forward
             and self._greedy_alone
             and not self._params.logprobs
-            and self._compiled is None
+            and not isinstance(self._compiled, CompiledDecode)
             and all(type(layer) is KVCache for layer in self._cache)
         )
         if not eligible:

@@ -27,6 +27,10 @@
   device compiles its fused kernels on first use: seconds each on CUDA, kept on disk by MLX).
   A lone row keeps its own cache and plain step, and a pass that carries prompt chunks is
   plain. `traced_batch_rows` None: 0 (off) on every backend until measured more widely.
+- the lean one-token step (`lean_step.LeanStep`: the model's own arithmetic in ~40% fewer graph
+  nodes, the host's cost of a batch-1 step on a GPU): a lone sequence's decode steps on either
+  route, where no traced step serves. `lean_decode` None: on where MLX runs on a GPU, off on the
+  CPU (where arithmetic sets a step's time; the logits are the same there, as the tests check).
 - quantized layers that multiply an input of many rows by their dequantized weight
   (`quantized_rows.route_rows`; `dequantize_from_rows` None: on MLX's CUDA backend only).
 
@@ -44,6 +48,7 @@ from typing import Any
 
 from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
 from trio_mlx.engine.fused import fuse_projections
+from trio_mlx.engine.lean_step import LeanStep, lean_step_for
 from trio_mlx.engine.quantized_rows import apply_threshold
 
 log = logging.getLogger(__name__)
@@ -93,6 +98,27 @@ def prepare_batch_step(model: Any, rows: int, *, reuse: CompiledDecode | None = 
         time.perf_counter() - began,
     )
     return decoder
+
+
+def default_lean_decode() -> bool:
+    """On where MLX runs on a GPU, where a batch-1 step is bound by the host (module docstring)."""
+    import mlx.core as mx
+
+    return bool(mx.default_device() == mx.gpu)
+
+
+def prepare_lean_step(model: Any, enabled: bool | None) -> LeanStep | None:
+    """The model's lean one-token step (`lean_step`), built after its projections are fused, or
+    None where it is off (`enabled` None: `default_lean_decode`) or the model is not one it
+    knows (logged)."""
+    if not (default_lean_decode() if enabled is None else enabled):
+        return None
+    lean = lean_step_for(model)
+    if lean is None:
+        log.info("lean decode step off: %s", unsupported_reason(model))
+    else:
+        log.info("lone sequences decode through the lean one-token step")
+    return lean
 
 
 def default_fused_projections(model: Any) -> bool:

@@ -203,6 +203,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         "max_num_seqs": getattr(args, "max_num_seqs", None),
         "prefill_chunk_seconds": getattr(args, "prefill_chunk_seconds", 0.25),
         "compiled_decode": getattr(args, "compiled_decode", None),
+        "lean_decode": getattr(args, "lean_decode", None),
         "traced_batch_rows": getattr(args, "traced_batch_rows", None),
         "fused_projections": getattr(args, "fused_projections", None),
         "cuda_graphs": getattr(args, "cuda_graphs", None),

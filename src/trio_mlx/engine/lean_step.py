@@ -1,0 +1,184 @@
+"""The one-token forward pass of a llama-family model, written for decode: the model's own
+arithmetic in fewer graph nodes. Runner thread only.
+
+Why: on a GPU a batch-1 decode step is bound by the host, not the device. MLX builds every node of
+the step's graph in Python and dispatches each from C++, 1-3 µs apiece either way, whatever the
+node computes (on an H100, `.gpurun`-style probe in docs/benchmarks, "Lean decode step"): a view
+costs about what a kernel launch does. mlx-lm's llama forward pass over a (1, 1) input makes
+~38 nodes a layer. Most are bookkeeping of the batch and sequence axes a decode step does not
+have: each `nn.Linear` on a 3-D input is Transpose + Flatten + Matmul + Unflatten (the weight
+transposed anew every call, the input's leading axes folded and unfolded), and each of q, k, v
+and the attention's output is reshaped and transposed between (B, L, H, D) and (B, H, L, D).
+
+What: `LeanStep` feeds one token as a (1, hidden) row and keeps it 2-D: every unquantized
+projection is one Matmul against its weight transposed once, at construction (a view of the same
+buffer: nothing copied), or one AddMM with its bias; q, k and v come out of the fused product
+(`fused.fuse_projections`) by one Split and go to (1, H, 1, D) by one Reshape each (with one
+position, (B, L, H, D) and (B, H, L, D) are the same memory); the attention's output goes back
+by one Reshape. ~22 nodes a layer. Everything else is the model's own code, called as the model
+calls it: the embedding, the norms (`input_layernorm`, ..., qwen3's `q_norm` / `k_norm`), the
+rotary embedding at the cache's offset, `KVCache.update_and_fetch`, mlx-lm's `swiglu`, quantized
+projections (any module that is not a plain `nn.Linear` is called as is) and the output head.
+
+Where: the architectures whose traced step is known (`compiled_step.unsupported_reason`: mlx-lm's
+llama, qwen2, qwen3 without sliding-window layers), over a cache of plain `KVCache` layers
+(`fits`). A step over anything else is the model's own forward pass.
+
+Output: the same products and the same kernels on the same shapes, so on the CPU in float32 the
+logits equal the model's own (tests/test_lean_step.py); on a GPU a kernel chosen for a
+differently laid-out but equal operand may round differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx.nn import Embedding, Linear  # type: ignore[attr-defined]
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import KVCache
+
+from trio_mlx.engine.compiled_step import unsupported_reason
+
+__all__ = ["LeanStep", "lean_step_for"]
+
+Projection = Callable[[Any], Any]
+
+
+def _projection(module: Any) -> Projection:
+    """`module` applied to a (1, K) row: a plain `nn.Linear` as one Matmul (or AddMM with its
+    bias) against its weight transposed once, here; anything else as the module itself."""
+    if type(module) is not Linear:
+        return module  # type: ignore[no-any-return]
+    transposed = module.weight.T
+    mx.eval(transposed)  # a view of the weight's buffer, with no graph behind it
+    if "bias" in module:
+        bias = module.bias
+        return lambda x: mx.addmm(bias, x, transposed)
+    return lambda x: x @ transposed
+
+
+def _head(model: Any) -> Projection:
+    """The output head: `lm_head`, or the input embedding used as a linear layer (tied)."""
+    if not getattr(model.args, "tie_word_embeddings", False):
+        return _projection(model.lm_head)
+    embed = model.model.embed_tokens
+    if type(embed) is not Embedding:
+        return embed.as_linear  # type: ignore[no-any-return]
+    transposed = embed.weight.T
+    mx.eval(transposed)
+    return lambda x: x @ transposed
+
+
+class _Layer:
+    """One transformer block's pieces, looked up once."""
+
+    __slots__ = (
+        "down",
+        "gate_up",
+        "heads",
+        "input_norm",
+        "kv_heads",
+        "out",
+        "post_norm",
+        "qk_norm",
+        "qkv",
+        "rope",
+        "scale",
+    )
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.heads = attn.n_heads
+        self.kv_heads = attn.n_kv_heads
+        self.scale = attn.scale
+        self.rope = attn.rope
+        self.out = _projection(attn.o_proj)
+        self.down = _projection(mlp.down_proj)
+        self.qkv = self._qkv(attn)
+        self.gate_up = self._gate_up(mlp)
+        self.qk_norm: Callable[[Any, Any], tuple[Any, Any]] | None = None
+        if "q_norm" in attn:  # qwen3: each head's queries and keys normalized
+            q_norm, k_norm = attn.q_norm, attn.k_norm
+            self.qk_norm = lambda q, k: (q_norm(q), k_norm(k))
+
+    def _qkv(self, attn: Any) -> Callable[[Any], tuple[Any, Any, Any]]:
+        """q, k and v of a (1, hidden) row: one product and a Split where they are fused."""
+        if "qkv_proj" not in attn:
+            q, k, v = (_projection(attn[name]) for name in ("q_proj", "k_proj", "v_proj"))
+            return lambda h: (q(h), k(h), v(h))
+        fused = _projection(attn.qkv_proj)
+        head_dim = attn.qkv_proj.weight.shape[0] // (self.heads + 2 * self.kv_heads)
+        split_at = [self.heads * head_dim, (self.heads + self.kv_heads) * head_dim]
+        return lambda h: tuple(mx.split(fused(h), split_at, axis=-1))  # type: ignore[return-value]
+
+    @staticmethod
+    def _gate_up(mlp: Any) -> Callable[[Any], tuple[Any, Any]]:
+        """The MLP's gate and up products: one product and a Split where they are fused."""
+        if "gate_up_proj" not in mlp:
+            gate, up = _projection(mlp.gate_proj), _projection(mlp.up_proj)
+            return lambda m: (gate(m), up(m))
+        fused = _projection(mlp.gate_up_proj)
+        width = mlp.gate_up_proj.weight.shape[0] // 2
+        return lambda m: tuple(mx.split(fused(m), [width], axis=-1))  # type: ignore[return-value]
+
+    def __call__(self, x: Any, cache: Any) -> Any:
+        q, k, v = self.qkv(self.input_norm(x))
+        q = q.reshape(1, self.heads, 1, -1)
+        k = k.reshape(1, self.kv_heads, 1, -1)
+        v = v.reshape(1, self.kv_heads, 1, -1)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
+        offset = cache.offset
+        q = self.rope(q, offset=offset)
+        k = self.rope(k, offset=offset)
+        k, v = cache.update_and_fetch(k, v)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        h = x + self.out(o.reshape(1, -1))
+        gate, up = self.gate_up(self.post_norm(h))
+        return h + self.down(swiglu(gate, up))
+
+
+class LeanStep:
+    """The lean one-token step of one model (module docstring). Build it after the model's
+    projections are fused (it keeps what it finds); drop it with the model (it holds views of
+    its weights)."""
+
+    def __init__(self, model: Any) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        inner = model.model
+        self._embed = inner.embed_tokens
+        self._layers = [_Layer(layer) for layer in inner.layers]
+        self._norm = inner.norm
+        self._head = _head(model)
+
+    @staticmethod
+    def fits(cache: Sequence[Any]) -> bool:
+        """Whether a sequence's cache can take the lean step: every layer a plain `KVCache`."""
+        return bool(cache) and all(type(c) is KVCache for c in cache)
+
+    def logits(self, token: Any, cache: Sequence[Any]) -> Any:
+        """Feed `token` (shape (1,), possibly lazy) over `cache` (advanced by one position);
+        return the next position's logits, shape (1, vocab). Lazy."""
+        x = self._embed(token)
+        for layer, layer_cache in zip(self._layers, cache, strict=True):
+            x = layer(x, layer_cache)
+        return self._head(self._norm(x))
+
+    def step(self, token: Any, cache: Sequence[Any], *, greedy: bool) -> Any:
+        """`logits`, or with `greedy` the next token (shape (1,), uint32): the decode step's
+        interface, as `compiled_step.CompiledDecode.step`'s."""
+        logits = self.logits(token, cache)
+        return mx.argmax(logits, axis=-1) if greedy else logits
+
+
+def lean_step_for(model: Any) -> LeanStep | None:
+    """The model's lean step, or None where its architecture is not one it knows."""
+    if unsupported_reason(model) is not None:
+        return None
+    return LeanStep(model)

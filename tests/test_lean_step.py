@@ -1,0 +1,220 @@
+"""The lean one-token step (`engine/lean_step.py`, `lean_decode`) is the model's own arithmetic in
+fewer graph nodes: on the CPU in float32 its logits equal the model's bit for bit, for llama,
+qwen2 (biased projections) and qwen3 (q/k norms), fused or not, quantized or not, across the KV
+cache's growth; through the engine, on both routes, it gives the plain path's tokens with the
+prefix cache, an abort, seeded sampling and logprobs, and it really runs."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.models.cache import make_prompt_cache
+
+import trio_mlx
+from model_wrappers import wrapping_loader
+from test_compiled_decode import PROMPT, Delegating, _batched_script, _script, generate
+from trio_mlx.cli import build_parser
+from trio_mlx.engine.fast_decode import prepare_fast_decode, prepare_lean_step
+from trio_mlx.engine.fused import fuse_projections
+from trio_mlx.engine.lean_step import LeanStep, lean_step_for
+from trio_mlx.engine.loading import load_model
+from trio_mlx.http.server import settings_from_args
+from trio_mlx.types import SamplingParams
+
+
+def build(kind: str, *, tied: bool) -> Any:
+    """A tiny random model of mlx-lm's `kind`, in memory."""
+    module = importlib.import_module(f"mlx_lm.models.{kind}")
+    config = {
+        "model_type": kind,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 4096,
+        "max_position_embeddings": 1024,
+        "head_dim": 16,
+        "tie_word_embeddings": tied,
+        "rope_theta": 10000.0,
+    }
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kind", "tied", "variant"),
+    [
+        ("llama", True, "plain"),
+        ("llama", True, "fused"),
+        ("llama", False, "quantized"),
+        ("qwen2", True, "fused"),
+        ("qwen2", False, "plain"),
+        ("qwen3", True, "quantized+fused"),
+        ("qwen3", False, "fused"),
+    ],
+)
+def test_the_logits_are_the_models_own(kind: str, tied: bool, variant: str) -> None:
+    """300 steps after a 20-token prompt: past the 256 positions where `KVCache` grows."""
+    model = build(kind, tied=tied)
+    if "quantized" in variant:
+        nn.quantize(model, group_size=32, bits=4)
+    if "fused" in variant:
+        assert fuse_projections(model) == 4
+    lean = LeanStep(model)
+    own, ours = make_prompt_cache(model), make_prompt_cache(model)
+    prompt = mx.array([list(range(5, 25))])
+    model(prompt, cache=own)
+    model(prompt, cache=ours)
+    token = mx.array([7])
+    for _ in range(300):
+        expected = model(token[None], cache=own)[:, -1, :]
+        got = lean.logits(token, ours)
+        assert got.shape == expected.shape == (1, 4096)
+        assert mx.array_equal(got, expected).item()
+        token = mx.argmax(expected, axis=-1)
+    assert ours[0].offset == own[0].offset == 320
+    following = mx.argmax(model(token[None], cache=own)[:, -1, :], axis=-1)
+    assert mx.array_equal(lean.step(token, ours, greedy=True), following).item()
+
+
+def _nodes(output: Any) -> dict[str, int]:
+    """The graph's nodes behind `output`, by primitive."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, output)
+    counts: dict[str, int] = {}
+    for name in re.findall(r'label ="([A-Za-z]+)', dot.getvalue()):
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def test_the_step_has_fewer_nodes_than_the_models(tiny_model_dir: Path) -> None:
+    """The reason it exists: on the fused model, fewer graph nodes a step, the ones it removes
+    being the layout bookkeeping of the batch and sequence axes (a tenth of them left). On the
+    CPU the fast norm, rope and attention show as their fallback graphs, the same on both sides;
+    on a GPU, where they are one node each, the share removed is larger."""
+    model = load_model(tiny_model_dir).model
+    fuse_projections(model)
+    lean = LeanStep(model)
+    cache = make_prompt_cache(model)
+    model(mx.array([list(PROMPT)]), cache=cache)
+    mx.eval([c.state for c in cache])
+    token = mx.array([9])
+    logits = model(token[None], cache=cache)[:, -1, :]
+    own = _nodes(logits)
+    mx.eval(logits, [c.state for c in cache])  # nothing of this step in the next one's graph
+    for layer in cache:
+        layer.trim(1)
+    ours = _nodes(lean.logits(token, cache))
+    assert sum(ours.values()) < sum(own.values())
+    layout = ("Transpose", "Flatten", "Unflatten")
+    assert sum(ours.get(n, 0) for n in layout) * 6 <= sum(own.get(n, 0) for n in layout)
+    assert ours["Matmul"] == own["Matmul"]  # the same products
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=90, temperature=0.0),
+        SamplingParams(max_tokens=90, temperature=0.8, seed=5),
+        SamplingParams(max_tokens=90, temperature=0.0, logprobs=True, repetition_penalty=1.3),
+    ],
+    ids=["greedy", "seeded", "logprobs+penalty"],
+)
+def test_a_sequence_has_the_plain_tokens(tiny_model_dir: Path, params: SamplingParams) -> None:
+    model = load_model(tiny_model_dir).model
+    plain, plain_lp, _ = generate(model, params, None, PROMPT)
+    fuse_projections(model)
+    tokens, lp, _ = generate(model, params, LeanStep(model), PROMPT)
+    assert tokens == plain and len(tokens) == 90
+    assert lp == plain_lp
+
+
+class CountingLogits:
+    """Counts `LeanStep.logits` calls (on any thread)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = LeanStep.logits
+
+        def counted(step: LeanStep, *args: Any) -> Any:
+            self.calls += 1
+            return original(step, *args)
+
+        monkeypatch.setattr(LeanStep, "logits", counted)
+
+
+async def test_the_serialized_route_gives_the_plain_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation across the cache's growth, a prefix-cache hit, an abort mid-stream and a
+    request continuing it, seeded sampling: the same tokens as with the option off."""
+    steps = CountingLogits(monkeypatch)
+    async with trio_mlx.open_engine(tiny_model_dir, lean_decode=True, max_num_seqs=1) as engine:
+        lean = await _script(engine)
+    assert steps.calls > 200
+    calls = steps.calls
+    async with trio_mlx.open_engine(tiny_model_dir, lean_decode=False, max_num_seqs=1) as engine:
+        plain = await _script(engine)
+    assert steps.calls == calls
+    assert lean == plain and len(lean[0]) == 80
+
+
+async def test_the_batched_route_gives_the_plain_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows joining and leaving (the lone row takes the lean step, a batch the model's), one
+    aborted mid-way, a prefix-cache hit: the same tokens as with the option off."""
+    steps = CountingLogits(monkeypatch)
+    async with trio_mlx.open_engine(
+        tiny_model_dir, lean_decode=True, fused_projections=True, max_num_seqs=4
+    ) as engine:
+        lean = await _batched_script(engine)
+        alone = await _script(engine)
+    assert steps.calls > 100
+    async with trio_mlx.open_engine(tiny_model_dir, lean_decode=False, max_num_seqs=4) as engine:
+        assert lean == await _batched_script(engine)
+        assert alone == await _script(engine)
+    assert [len(r) for r in lean[:3]] == [24, 40, 60]
+
+
+async def test_a_model_it_does_not_know_serves_on_the_models_own_step(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = CountingLogits(monkeypatch)
+    loader = wrapping_loader(Delegating)[0]
+    async with trio_mlx.open_engine(tiny_model_dir, lean_decode=True, loader=loader) as engine:
+        out = await engine.generate(PROMPT, max_tokens=8, temperature=0.0)
+    assert len(out.tokens) == 8 and steps.calls == 0
+
+
+def test_off_on_the_cpu_unless_asked_for(tiny_model_dir: Path) -> None:
+    assert mx.default_device() == mx.cpu
+    model = load_model(tiny_model_dir).model
+    assert prepare_lean_step(model, None) is None
+    assert prepare_lean_step(model, False) is None
+    assert isinstance(prepare_lean_step(model, True), LeanStep)
+    assert prepare_fast_decode(model, False) is None  # the lean step is built apart
+    assert lean_step_for(Delegating(model)) is None
+    with pytest.raises(ValueError, match="not a model"):
+        LeanStep(Delegating(model))
+
+
+def test_serve_passes_the_option() -> None:
+    options = settings_from_args(build_parser().parse_args(["serve"])).engine_options
+    assert options["lean_decode"] is None
+    for flag, value in (("--lean-decode", True), ("--no-lean-decode", False)):
+        args = build_parser().parse_args(["serve", flag])
+        assert settings_from_args(args).engine_options["lean_decode"] is value
