@@ -368,7 +368,9 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
         )
         for r in report["rows"]:
             if r["prompt"] == length and "_tokens" in r:
-                r["agree"] = agreement(r.pop("_tokens"), plain_tokens or [])
+                tokens = r.pop("_tokens")
+                if plain_tokens:  # no `plain` variant asked for: nothing to agree with
+                    r["agree"] = agreement(tokens, plain_tokens)
     report["summary"] = summarize(report["rows"])
     del model, fused, decoders
     mx.clear_cache()

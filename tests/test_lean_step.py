@@ -218,3 +218,29 @@ def test_serve_passes_the_option() -> None:
     for flag, value in (("--lean-decode", True), ("--no-lean-decode", False)):
         args = build_parser().parse_args(["serve", flag])
         assert settings_from_args(args).engine_options["lean_decode"] is value
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4], ids=["serialized", "batched"])
+async def test_structured_output_keeps_its_tokens_and_its_forced_runs(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int
+) -> None:
+    """Under a grammar the lean step computes the masked steps' logits and the forced runs
+    still go through the model in one pass each (the cache stays plain): the same output in
+    the same number of decode steps as with the option off."""
+    from test_structured_output import FORMAT, PERSON, USER, assert_valid
+
+    steps = CountingLogits(monkeypatch)
+    found = []
+    for lean in (True, False):
+        async with trio_mlx.open_engine(
+            tiny_model_dir, lean_decode=lean, max_num_seqs=max_num_seqs
+        ) as engine:
+            out = await engine.chat(USER, output_format=FORMAT, max_tokens=120, temperature=0)
+            found.append(
+                (out.tokens, out.finish_reason, engine.get_stats()["runner"]["decode_steps"])
+            )
+            assert_valid(out.text, PERSON)
+        if lean:
+            assert steps.calls > 0
+    assert found[0] == found[1]
+    assert found[0][2] < len(found[0][0]) / 2  # most of the object came in forced runs
