@@ -19,6 +19,7 @@ import trio
 
 import trio_mlx
 from model_wrappers import _Wrapped, wrapping_loader
+from tiny_model import build_in_memory
 from trio_mlx.cli import build_parser
 from trio_mlx.engine.compiled_step import CompiledDecode, bucket_size, unsupported_reason
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
@@ -342,29 +343,7 @@ def test_the_attention_dispatcher_routes_only_the_traced_layers(
 def test_the_other_architectures_give_the_plain_tokens(kind: str) -> None:
     """qwen2 (biased q/k/v projections) and qwen3 (q/k norms, an explicit head size), random and
     tiny, built in memory: fused and traced, the plain path's tokens."""
-    import importlib
-
-    from mlx.utils import tree_map
-
-    module = importlib.import_module(f"mlx_lm.models.{kind}")
-    config = {
-        "model_type": kind,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 4096,
-        "max_position_embeddings": 1024,
-        "head_dim": 16,
-        "tie_word_embeddings": True,
-        "rope_theta": 10000.0,
-    }
-    mx.random.seed(3)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
-    mx.eval(model.parameters())
+    model = build_in_memory(kind)
     params = SamplingParams(max_tokens=60, temperature=0.0)
     prompt = tuple(range(5, 45))
     plain, _, _ = generate(model, params, None, prompt, vocab=4096)

@@ -6,7 +6,6 @@ prefix cache, an abort, seeded sampling and logprobs, and it really runs."""
 
 from __future__ import annotations
 
-import importlib
 import io
 import re
 from pathlib import Path
@@ -15,12 +14,12 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
 import trio_mlx
 from model_wrappers import wrapping_loader
 from test_compiled_decode import PROMPT, Delegating, _batched_script, _script, generate
+from tiny_model import build_in_memory
 from trio_mlx.cli import build_parser
 from trio_mlx.engine.fast_decode import prepare_fast_decode, prepare_lean_step
 from trio_mlx.engine.fused import fuse_projections
@@ -28,30 +27,6 @@ from trio_mlx.engine.lean_step import LeanStep, lean_step_for
 from trio_mlx.engine.loading import load_model
 from trio_mlx.http.server import settings_from_args
 from trio_mlx.types import SamplingParams
-
-
-def build(kind: str, *, tied: bool) -> Any:
-    """A tiny random model of mlx-lm's `kind`, in memory."""
-    module = importlib.import_module(f"mlx_lm.models.{kind}")
-    config = {
-        "model_type": kind,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 4096,
-        "max_position_embeddings": 1024,
-        "head_dim": 16,
-        "tie_word_embeddings": tied,
-        "rope_theta": 10000.0,
-    }
-    mx.random.seed(3)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
-    mx.eval(model.parameters())
-    return model
 
 
 @pytest.mark.parametrize(
@@ -68,7 +43,7 @@ def build(kind: str, *, tied: bool) -> Any:
 )
 def test_the_logits_are_the_models_own(kind: str, tied: bool, variant: str) -> None:
     """300 steps after a 20-token prompt: past the 256 positions where `KVCache` grows."""
-    model = build(kind, tied=tied)
+    model = build_in_memory(kind, tied=tied)
     if "quantized" in variant:
         nn.quantize(model, group_size=32, bits=4)
     if "fused" in variant:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -31,6 +32,29 @@ TINY_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+
+def build_in_memory(model_type: str, *, tied: bool = True, seed: int = 3) -> Any:
+    """A tiny random model of mlx-lm's `model_type` (llama, qwen2, qwen3, ...) in memory, no
+    tokenizer: `TINY_CONFIG`'s sizes with a vocabulary of 4,096 and an explicit head size of 16,
+    weights scaled up as `build_tiny_model`'s."""
+    import importlib
+
+    from mlx.utils import tree_map
+
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    config = {
+        **{k: v for k, v in TINY_CONFIG.items() if k not in ("bos_token_id", "eos_token_id")},
+        "model_type": model_type,
+        "vocab_size": 4096,
+        "head_dim": 16,
+        "tie_word_embeddings": tied,
+    }
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model
 
 
 def build_tiny_model(out_dir: Path, *, seed: int = 0, **overrides: object) -> Path:
