@@ -23,7 +23,7 @@ from tiny_model import build_in_memory
 from trio_mlx.cli import build_parser
 from trio_mlx.engine.fast_decode import prepare_fast_decode, prepare_lean_step
 from trio_mlx.engine.fused import fuse_projections
-from trio_mlx.engine.lean_step import LeanStep, lean_step_for
+from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.engine.loading import load_model
 from trio_mlx.http.server import settings_from_args
 from trio_mlx.types import SamplingParams
@@ -182,7 +182,7 @@ def test_off_on_the_cpu_unless_asked_for(tiny_model_dir: Path) -> None:
     assert prepare_lean_step(model, False) is None
     assert isinstance(prepare_lean_step(model, True), LeanStep)
     assert prepare_fast_decode(model, False) is None  # the lean step is built apart
-    assert lean_step_for(Delegating(model)) is None
+    assert prepare_lean_step(Delegating(model), True) is None
     with pytest.raises(ValueError, match="not a model"):
         LeanStep(Delegating(model))
 

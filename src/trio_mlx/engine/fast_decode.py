@@ -51,7 +51,7 @@ from typing import Any
 
 from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
 from trio_mlx.engine.fused import fuse_projections
-from trio_mlx.engine.lean_step import LeanStep, lean_step_for
+from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.engine.quantized_rows import apply_threshold
 
 log = logging.getLogger(__name__)
@@ -116,12 +116,12 @@ def prepare_lean_step(model: Any, enabled: bool | None) -> LeanStep | None:
     knows (logged)."""
     if not (default_lean_decode() if enabled is None else enabled):
         return None
-    lean = lean_step_for(model)
-    if lean is None:
-        log.info("lean decode step off: %s", unsupported_reason(model))
-    else:
-        log.info("lone sequences decode through the lean one-token step")
-    return lean
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.info("lean decode step off: %s", reason)
+        return None
+    log.info("lone sequences decode through the lean one-token step")
+    return LeanStep(model)
 
 
 def default_fused_projections(model: Any) -> bool:

@@ -40,26 +40,30 @@ from typing import Any
 import mlx.core as mx
 from mlx.nn import Embedding, Linear  # type: ignore[attr-defined]
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import KVCache
 
-from trio_mlx.engine.compiled_step import unsupported_reason
+from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
 
-__all__ = ["LeanStep", "lean_step_for"]
+__all__ = ["LeanStep"]
 
 Projection = Callable[[Any], Any]
 
 
-def _projection(module: Any) -> Projection:
-    """`module` applied to a (1, K) row: a plain `nn.Linear` as one Matmul (or AddMM with its
-    bias) against its weight transposed once, here; anything else as the module itself."""
-    if type(module) is not Linear:
-        return module  # type: ignore[no-any-return]
-    transposed = module.weight.T
-    mx.eval(transposed)  # a view of the weight's buffer, with no graph behind it
-    if "bias" in module:
-        bias = module.bias
+def _against(weight: Any, bias: Any = None) -> Projection:
+    """A (1, K) row times `weight` transposed (once, here: a view of the weight's buffer, with
+    no graph behind it), as one Matmul, or one AddMM with `bias`."""
+    transposed = weight.T
+    mx.eval(transposed)
+    if bias is not None:
         return lambda x: mx.addmm(bias, x, transposed)
     return lambda x: x @ transposed
+
+
+def _projection(module: Any) -> Projection:
+    """`module` applied to a (1, K) row: a plain `nn.Linear` against its weight transposed once
+    (`_against`); anything else as the module itself."""
+    if type(module) is not Linear:
+        return module  # type: ignore[no-any-return]
+    return _against(module.weight, module.bias if "bias" in module else None)
 
 
 def _head(model: Any) -> Projection:
@@ -69,9 +73,7 @@ def _head(model: Any) -> Projection:
     embed = model.model.embed_tokens
     if type(embed) is not Embedding:
         return embed.as_linear  # type: ignore[no-any-return]
-    transposed = embed.weight.T
-    mx.eval(transposed)
-    return lambda x: x @ transposed
+    return _against(embed.weight)
 
 
 class _Layer:
@@ -160,10 +162,9 @@ class LeanStep:
         self._norm = inner.norm
         self._head = _head(model)
 
-    @staticmethod
-    def fits(cache: Sequence[Any]) -> bool:
-        """Whether a sequence's cache can take the lean step: every layer a plain `KVCache`."""
-        return bool(cache) and all(type(c) is KVCache for c in cache)
+    #: whether a sequence's cache can take the lean step: every layer a plain `KVCache`, as the
+    #: traced step's
+    fits = staticmethod(CompiledDecode.fits)
 
     def logits(self, token: Any, cache: Sequence[Any]) -> Any:
         """Feed `token` (shape (1,), possibly lazy) over `cache` (advanced by one position);
@@ -178,10 +179,3 @@ class LeanStep:
         interface, as `compiled_step.CompiledDecode.step`'s."""
         logits = self.logits(token, cache)
         return mx.argmax(logits, axis=-1) if greedy else logits
-
-
-def lean_step_for(model: Any) -> LeanStep | None:
-    """The model's lean step, or None where its architecture is not one it knows."""
-    if unsupported_reason(model) is not None:
-        return None
-    return LeanStep(model)
