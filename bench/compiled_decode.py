@@ -22,7 +22,10 @@ queuing step k+1 before reading token k (as the engine does):
   runner steps it (the real per-step code, total time only);
 - `engine_fused`: the same without the traced step;
 - `lean`, `lean+fused`: the lean one-token step (`engine/lean_step.py`: the model's arithmetic in
-  fewer graph nodes) on the unfused and the fused model;
+  fewer graph nodes) on the unfused and the fused model; on a 4-bit model on MLX's CUDA backend
+  their quantized products go through our one-row kernel (`engine/quantized_gemv.py`);
+- `lean+mlx_qmv`: `lean+fused` with MLX's own quantized kernels (the same as `lean+fused` on an
+  unquantized model);
 - `engine_lean`: `decode.ActiveSequence` with the lean step on the fused model (what a GPU
   serves by default).
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
@@ -75,6 +78,7 @@ VARIANTS = (
     "engine_fused",
     "lean",
     "lean+fused",
+    "lean+mlx_qmv",
     "engine_lean",
 )
 DEFAULT_MODELS = "synthetic:llama-1b-bf16,synthetic:llama-8b-bf16,synthetic:llama-8b-q4"
@@ -306,6 +310,7 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
         "compiled+fused": CompiledDecode(fused, attention_kernel=False),
         "lean": LeanStep(model),
         "lean+fused": LeanStep(fused),
+        "lean+mlx_qmv": LeanStep(fused, quantized_kernel=False),
     }
     check = kernel_check(model) if "kernel" in args.variants else {"skipped": "not asked"}
     if "error" not in check and "skipped" not in check:

@@ -413,7 +413,10 @@ def test_the_gpu_start_up_options_take_a_vision_model(
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     assert default_fused_projections(view) is True  # float weights
     nn.quantize(view.language_model, group_size=32, bits=4)
-    assert default_fused_projections(view) is False
+    assert default_fused_projections(view) is True  # CUDA: the lean step's 4-bit kernel's
+    with monkeypatch.context() as metal:
+        metal.setattr(mx.cuda, "is_available", lambda: False)
+        assert default_fused_projections(view) is False  # MLX's own quantized kernels
     assert prepare_fast_decode(view, None, None, dequantize_from_rows=None) is None
     routed = [m for m in view.modules() if isinstance(m, RowRoutedLinear)]
     assert routed and all(m.dequantize_from_rows == 128 for m in routed)

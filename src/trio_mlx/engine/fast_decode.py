@@ -5,8 +5,10 @@
   where there were five. `fused_projections` None: on where MLX runs on a GPU, where a decode
   step is bound by launching kernels (H200, `bench.compiled_decode`, batch 1, tok/s over the plain
   step, two runs: 1B bf16 1.14-1.29x at a 128-token prompt and 1.08-1.44x at 1,536; 8B bf16
-  1.10x / 1.07x; 8B 4-bit 0.93-1.01x, hence off for quantized models), off on the CPU, where
-  arithmetic sets a step's time.
+  1.10x / 1.07x; 8B 4-bit 0.93-1.01x with MLX's quantized kernels, hence off for quantized
+  models, except on MLX's CUDA backend, where the lean step's own 4-bit kernel makes the fused
+  8B 4-bit step 1.29-1.32x the unfused one: H100, 2026-12-06), off on the CPU, where arithmetic
+  sets a step's time.
 - the decode step traced once per KV length bucket and replayed (`compiled_step.CompiledDecode`):
   one sequence's on the serialized route; the batch's on the batched route only with
   `TRIO_MLX_COMPILED_BATCH=on` (the batch step is traced once per batch size and bucket, and
@@ -49,6 +51,10 @@ import os
 import time
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from trio_mlx.engine import quantized_gemv
 from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
 from trio_mlx.engine.fused import fuse_projections
 from trio_mlx.engine.lean_step import LeanStep
@@ -105,33 +111,44 @@ def prepare_batch_step(model: Any, rows: int, *, reuse: CompiledDecode | None = 
 
 def default_lean_decode() -> bool:
     """On where MLX runs on a GPU, where a batch-1 step is bound by the host (module docstring)."""
-    import mlx.core as mx
-
     return bool(mx.default_device() == mx.gpu)
 
 
 def prepare_lean_step(model: Any, enabled: bool | None) -> LeanStep | None:
-    """The model's lean one-token step (`lean_step`), built after its projections are fused, or
-    None where it is off (`enabled` None: `default_lean_decode`) or the model is not one it
-    knows (logged)."""
+    """The model's lean one-token step (`lean_step`), built after its projections are fused and
+    run once over a fresh cache (kernels compiled at load), or None where it is off (`enabled`
+    None: `default_lean_decode`), the model is not one it knows or that step fails (logged)."""
     if not (default_lean_decode() if enabled is None else enabled):
         return None
     reason = unsupported_reason(model)
     if reason is not None:
         log.info("lean decode step off: %s", reason)
         return None
-    log.info("lone sequences decode through the lean one-token step")
-    return LeanStep(model)
+    lean = LeanStep(model)
+    began = time.perf_counter()
+    try:  # the device compiles kernels on first use (ours by NVRTC): at load, not in a request
+        mx.eval(lean.step(mx.array([0], dtype=mx.uint32), make_prompt_cache(model), greedy=True))
+    except Exception:  # the lean step cannot run here: serve the model's own
+        log.exception("lean decode step off: its warm-up step failed")
+        return None
+    log.info(
+        "lone sequences decode through the lean one-token step (warmed up in %.2f s)",
+        time.perf_counter() - began,
+    )
+    return lean
 
 
 def default_fused_projections(model: Any) -> bool:
-    """On where MLX runs on a GPU for a model with unquantized projections; off for a quantized
-    one (no gain measured) and on the CPU (module docstring)."""
-    import mlx.core as mx
+    """On where MLX runs on a GPU, for a quantized model only on MLX's CUDA backend (where the
+    lean step's one-row kernel takes its 4-bit products: fewer, wider calls of it); off for a
+    quantized model elsewhere (no gain measured with MLX's own kernels) and on the CPU (module
+    docstring)."""
     from mlx.nn import QuantizedLinear  # type: ignore[attr-defined]
 
     if mx.default_device() != mx.gpu:
         return False
+    if quantized_gemv.available():
+        return True
     return not any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 

@@ -13,23 +13,27 @@ and transposed between (B, L, H, D) and (B, H, L, D).
 
 What: `LeanStep` feeds one token as a (1, hidden) row and keeps it 2-D: every unquantized
 projection is one Matmul against its weight transposed once, at construction (a view of the same
-buffer: nothing copied), or one AddMM with its bias; q, k and v come out of the fused product
-(`fused.fuse_projections`) by one Split and go to (1, H, 1, D) by one Reshape each (with one
-position, (B, L, H, D) and (B, H, L, D) are the same memory); the attention's output goes back
-by one Reshape. ~22 nodes a layer (on that H100, the 1B step built in 0.51 ms instead of 0.80,
-and the engine decoded at 1.23x the fused step's tok/s). Everything else is the model's own
-code, called as the model calls it: the embedding, the norms (`input_layernorm`, ..., qwen3's
-`q_norm` / `k_norm`), the rotary embedding at the cache's offset, `KVCache.update_and_fetch`,
-mlx-lm's `swiglu`, quantized projections (any module that is not a plain `nn.Linear` is called
-as is) and the output head.
+buffer: nothing copied), or one AddMM with its bias; with `quantized_kernel` (the default), a
+4-bit quantized projection on MLX's CUDA backend is one call of our one-row kernel
+(`quantized_gemv`: ~2x MLX's kernel there). Where q, k and v are fused
+(`fused.fuse_projections`), their product is reshaped once to (1, heads, 1, head_dim) (with one
+position, (B, L, H, D) and (B, H, L, D) are the same memory) and split along the heads; without
+qwen3's q/k norms, q and k stay one array through the rotary embedding (one kernel, not two: the
+rotation is per head). The attention's output goes back by one Reshape. ~20 nodes a layer, 13 of
+them kernels (on an H100 the 1B step built in ~0.44 ms, the model's own fused step in 0.80).
+Everything else is the model's own code, called as the model calls it: the embedding, the norms
+(`input_layernorm`, ..., qwen3's `q_norm` / `k_norm`), the rotary embedding at the cache's
+offset, `KVCache.update_and_fetch`, mlx-lm's `swiglu`, other quantized projections (any module
+that is not a plain `nn.Linear` is called as is) and the output head.
 
 Where: the architectures whose traced step is known (`compiled_step.unsupported_reason`: mlx-lm's
 llama, qwen2, qwen3 without sliding-window layers), over a cache of plain `KVCache` layers
 (`fits`). A step over anything else is the model's own forward pass.
 
-Output: the same products and the same kernels on the same shapes, so on the CPU in float32 the
+Output: on the CPU the same products and the same kernels on the same shapes, so in float32 the
 logits equal the model's own (tests/test_lean_step.py); on a GPU a kernel chosen for a
-differently laid-out but equal operand may round differently.
+differently laid-out but equal operand may round differently, and our 4-bit kernel sums in
+float32 where MLX's sums in the activations' dtype (`quantized_gemv`: the closer of the two).
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx.nn import Embedding, Linear  # type: ignore[attr-defined]
+from mlx.nn import Embedding, Linear, QuantizedEmbedding, QuantizedLinear  # type: ignore[attr-defined]
 from mlx_lm.models.activations import swiglu
 
 from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
+from trio_mlx.engine.quantized_gemv import quantized_gemv
 
 __all__ = ["LeanStep"]
 
@@ -58,20 +63,25 @@ def _against(weight: Any, bias: Any = None) -> Projection:
     return lambda x: x @ transposed
 
 
-def _projection(module: Any) -> Projection:
+def _projection(module: Any, quantized_kernel: bool) -> Projection:
     """`module` applied to a (1, K) row: a plain `nn.Linear` against its weight transposed once
-    (`_against`); anything else as the module itself."""
+    (`_against`); with `quantized_kernel`, a 4-bit quantized layer through our one-row kernel
+    where it applies (`quantized_gemv`); anything else as the module itself."""
     if type(module) is not Linear:
+        if quantized_kernel and isinstance(module, QuantizedLinear):
+            return quantized_gemv(module) or module
         return module  # type: ignore[no-any-return]
     return _against(module.weight, module.bias if "bias" in module else None)
 
 
-def _head(model: Any) -> Projection:
+def _head(model: Any, quantized_kernel: bool) -> Projection:
     """The output head: `lm_head`, or the input embedding used as a linear layer (tied)."""
     if not getattr(model.args, "tie_word_embeddings", False):
-        return _projection(model.lm_head)
+        return _projection(model.lm_head, quantized_kernel)
     embed = model.model.embed_tokens
     if type(embed) is not Embedding:
+        if quantized_kernel and isinstance(embed, QuantizedEmbedding):
+            return quantized_gemv(embed) or embed.as_linear
         return embed.as_linear  # type: ignore[no-any-return]
     return _against(embed.weight)
 
@@ -80,6 +90,7 @@ class _Layer:
     """One transformer block's pieces, looked up once."""
 
     __slots__ = (
+        "attention_inputs",
         "down",
         "gate_up",
         "heads",
@@ -87,59 +98,88 @@ class _Layer:
         "kv_heads",
         "out",
         "post_norm",
+        "project",
         "qk_norm",
         "qkv",
         "rope",
         "scale",
     )
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, quantized_kernel: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
+        self.project: Callable[[Any], Projection] = lambda m: _projection(m, quantized_kernel)
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
         self.heads = attn.n_heads
         self.kv_heads = attn.n_kv_heads
         self.scale = attn.scale
         self.rope = attn.rope
-        self.out = _projection(attn.o_proj)
-        self.down = _projection(mlp.down_proj)
-        self.qkv = self._qkv(attn)
+        self.out = self.project(attn.o_proj)
+        self.down = self.project(mlp.down_proj)
         self.gate_up = self._gate_up(mlp)
         self.qk_norm: Callable[[Any, Any], tuple[Any, Any]] | None = None
         if "q_norm" in attn:  # qwen3: each head's queries and keys normalized
             q_norm, k_norm = attn.q_norm, attn.k_norm
             self.qk_norm = lambda q, k: (q_norm(q), k_norm(k))
+        self.qkv = self._qkv(attn)
+        #: q and k rotated to position `offset` (after qwen3's norms) and v, of the normed row
+        #: `h`, each shaped (1, heads, 1, head_dim)
+        self.attention_inputs: Callable[[Any, int], tuple[Any, Any, Any]] = self._rotated_apart
+        if "qkv_proj" in attn and self.qk_norm is None:
+            self.attention_inputs = self._rotated_together(attn)
 
     def _qkv(self, attn: Any) -> Callable[[Any], tuple[Any, Any, Any]]:
-        """q, k and v of a (1, hidden) row: one product and a Split where they are fused."""
+        """q, k and v of a (1, hidden) row, each shaped (1, heads, 1, head_dim): where they are
+        fused, one product, one Reshape of it to (1, all heads, 1, head_dim) and one Split along
+        the heads (each part a contiguous run of the product)."""
         if "qkv_proj" not in attn:
-            q, k, v = (_projection(attn[name]) for name in ("q_proj", "k_proj", "v_proj"))
-            return lambda h: (q(h), k(h), v(h))
-        fused = _projection(attn.qkv_proj)
-        head_dim = attn.qkv_proj.weight.shape[0] // (self.heads + 2 * self.kv_heads)
-        split_at = [self.heads * head_dim, (self.heads + self.kv_heads) * head_dim]
-        return lambda h: tuple(mx.split(fused(h), split_at, axis=-1))  # type: ignore[return-value]
+            q, k, v = (self.project(attn[name]) for name in ("q_proj", "k_proj", "v_proj"))
+            shapes = [(1, n, 1, -1) for n in (self.heads, self.kv_heads, self.kv_heads)]
+            return lambda h: (
+                q(h).reshape(shapes[0]),
+                k(h).reshape(shapes[1]),
+                v(h).reshape(shapes[2]),
+            )
+        fused = self.project(attn.qkv_proj)
+        heads = self.heads + 2 * self.kv_heads
+        split_at = [self.heads, self.heads + self.kv_heads]
+        return lambda h: tuple(  # type: ignore[return-value]
+            mx.split(fused(h).reshape(1, heads, 1, -1), split_at, axis=1)
+        )
 
-    @staticmethod
-    def _gate_up(mlp: Any) -> Callable[[Any], tuple[Any, Any]]:
+    def _rotated_apart(self, h: Any, offset: int) -> tuple[Any, Any, Any]:
+        """`attention_inputs`: q and k each through the rotary embedding."""
+        q, k, v = self.qkv(h)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
+        return self.rope(q, offset=offset), self.rope(k, offset=offset), v
+
+    def _rotated_together(self, attn: Any) -> Callable[[Any, int], tuple[Any, Any, Any]]:
+        """`attention_inputs` where q, k and v are fused and not normed: q and k, a contiguous
+        run of the product's heads, go through the rotary embedding as one array (one kernel
+        instead of two: the rotation is per head)."""
+        fused = self.project(attn.qkv_proj)
+        heads = self.heads + 2 * self.kv_heads
+        qk_heads, rope = self.heads + self.kv_heads, self.rope
+
+        def attention_inputs(h: Any, offset: int) -> tuple[Any, Any, Any]:
+            qk, v = mx.split(fused(h).reshape(1, heads, 1, -1), [qk_heads], axis=1)
+            q, k = mx.split(rope(qk, offset=offset), [self.heads], axis=1)
+            return q, k, v
+
+        return attention_inputs
+
+    def _gate_up(self, mlp: Any) -> Callable[[Any], tuple[Any, Any]]:
         """The MLP's gate and up products: one product and a Split where they are fused."""
         if "gate_up_proj" not in mlp:
-            gate, up = _projection(mlp.gate_proj), _projection(mlp.up_proj)
+            gate, up = self.project(mlp.gate_proj), self.project(mlp.up_proj)
             return lambda m: (gate(m), up(m))
-        fused = _projection(mlp.gate_up_proj)
+        fused = self.project(mlp.gate_up_proj)
         width = mlp.gate_up_proj.weight.shape[0] // 2
         return lambda m: tuple(mx.split(fused(m), [width], axis=-1))  # type: ignore[return-value]
 
     def __call__(self, x: Any, cache: Any) -> Any:
-        q, k, v = self.qkv(self.input_norm(x))
-        q = q.reshape(1, self.heads, 1, -1)
-        k = k.reshape(1, self.kv_heads, 1, -1)
-        v = v.reshape(1, self.kv_heads, 1, -1)
-        if self.qk_norm is not None:
-            q, k = self.qk_norm(q, k)
-        offset = cache.offset
-        q = self.rope(q, offset=offset)
-        k = self.rope(k, offset=offset)
+        q, k, v = self.attention_inputs(self.input_norm(x), cache.offset)
         k, v = cache.update_and_fetch(k, v)
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
         h = x + self.out(o.reshape(1, -1))
@@ -152,15 +192,15 @@ class LeanStep:
     projections are fused (it keeps what it finds); drop it with the model (it holds views of
     its weights)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, quantized_kernel: bool = True) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
         inner = model.model
         self._embed = inner.embed_tokens
-        self._layers = [_Layer(layer) for layer in inner.layers]
+        self._layers = [_Layer(layer, quantized_kernel) for layer in inner.layers]
         self._norm = inner.norm
-        self._head = _head(model)
+        self._head = _head(model, quantized_kernel)
 
     #: whether a sequence's cache can take the lean step: every layer a plain `KVCache`, as the
     #: traced step's

@@ -1,0 +1,179 @@
+"""One row times a 4-bit affine-quantized weight, as a CUDA kernel of our own: the decode step's
+quantized products near the GPU's memory bandwidth. Runner thread only.
+
+Why (MLX 0.32's CUDA backend, `mlx/backend/cuda/quantized/qmm/qmv.cu`, read at v0.32.1): a
+one-row `mx.quantized_matmul` runs `qmv`, one warp per output column, each thread loading 8 bytes
+of the packed weight at a time from a loop the compiler cannot unroll (the input width is a
+runtime value), so few bytes are in flight per SM and the kernel reads the weight far below the
+bandwidth (PLACEHOLDER_MEASURED). A 4-bit model's batch-1 decode step is then bound by those
+kernels: on an H100 the synthetic 8B 4-bit step took ~5.5 ms where its 4.5 GB of weights read in
+~1.6 ms, so it decoded barely faster than the same model in bf16.
+
+What: `quantized_gemv(module)` returns, for an `mlx.nn.QuantizedLinear` (or a tied
+`QuantizedEmbedding`'s `as_linear`) of affine 4-bit weights and group size 32, 64 or 128, a
+function of a (1, K) row to its (1, N) product, as one kernel (`mx.fast.cuda_kernel`, compiled
+by NVRTC at the first call of each shape): each warp computes `ROWS` output columns; each thread
+reads 16 bytes (32 weights) of each of its columns per step, with the input width a compile-time
+constant so the loop over it unrolls and every load of a thread is issued before the first is
+used; the 32 weights are expanded to float32 by bit arithmetic, multiplied by the input in
+float32 and summed per group, then scaled (sum x scale + sum(x) x bias, the affine form), and
+the warp's lanes are reduced by shuffles. The module's own `bias` (if any) is added after.
+Anything else (another bit width or mode, an input of more rows, the CPU or Metal, a shape it
+was not built for) is None: the caller keeps the module's own product.
+
+Numerics: the products and sums are float32 throughout, then rounded once to the input's dtype.
+MLX's `qmv` accumulates 4-bit products in the input's dtype (bf16 for a bf16 model), so the two
+round differently; ours is the closer of the two to the float32 product of the dequantized
+weight (tests/test_quantized_gemv.py, on a CUDA GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["available", "quantized_gemv"]
+
+#: output columns per warp, and warps per block (PLACEHOLDER: picked by measurement)
+ROWS = 2
+WARPS = 8
+
+_HEADER = r"""
+__device__ __forceinline__ float trio_nibble(uint32_t word, int shift) {
+  // 1 + q / 16 for the 4-bit value q at bits [shift, shift + 4): q moved into the mantissa's top
+  // bits under the exponent of 1.0, exact, in two operations (shift, and-or)
+  const uint32_t moved = shift <= 19 ? word << (19 - shift) : word >> (shift - 19);
+  return __uint_as_float(0x3F800000u | (moved & 0x00780000u));
+}
+"""
+
+# The kernel body (mx.fast.cuda_kernel writes the signature): inputs x (1, K) of type T, w (N,
+# K / 8) uint32, scales and biases (N, K / GS); output y (1, N). Launched as a grid of (32, N /
+# ROWS) threads in blocks of (32, WARPS): lane threadIdx.x of warp (blockIdx.y * WARPS +
+# threadIdx.y), which computes columns [first, first + ROWS).
+_SOURCE = r"""
+  constexpr int WORDS = K / 8;                      // uint32 words in a weight row
+  constexpr int CHUNKS = K / 32;                    // 16-byte chunks (32 weights) in a row
+  constexpr int STEPS = (CHUNKS + 31) / 32;         // chunks per lane
+  constexpr int X_VECTORS = 32 * sizeof(T) / 16;    // 16-byte loads for 32 inputs
+  const int lane = threadIdx.x;
+  const int first = (blockIdx.y * blockDim.y + threadIdx.y) * ROWS;
+  if (first >= N) return;
+  float acc[ROWS];
+  #pragma unroll
+  for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
+  #pragma unroll
+  for (int step = 0; step < STEPS; ++step) {
+    const int chunk = step * 32 + lane;
+    if (CHUNKS % 32 == 0 || chunk < CHUNKS) {
+      uint4 packed[ROWS];
+      #pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        packed[r] = __ldg(reinterpret_cast<const uint4*>(w + (size_t)(first + r) * WORDS) + chunk);
+      }
+      float xf[32];
+      const uint4* xv = reinterpret_cast<const uint4*>(x + chunk * 32);
+      #pragma unroll
+      for (int v = 0; v < X_VECTORS; ++v) {
+        const uint4 loaded = __ldg(xv + v);
+        const T* e = reinterpret_cast<const T*>(&loaded);
+        #pragma unroll
+        for (int i = 0; i < 16 / (int)sizeof(T); ++i) {
+          xf[v * (16 / sizeof(T)) + i] = static_cast<float>(e[i]);
+        }
+      }
+      float x_sum = 0.f;
+      #pragma unroll
+      for (int i = 0; i < 32; ++i) x_sum += xf[i];
+      const int group = (chunk * 32) / GS;
+      #pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const uint32_t words[4] = {packed[r].x, packed[r].y, packed[r].z, packed[r].w};
+        float dot = 0.f;
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          #pragma unroll
+          for (int t = 0; t < 8; ++t) dot = fmaf(trio_nibble(words[j], 4 * t), xf[j * 8 + t], dot);
+        }
+        // dot = sum (1 + q / 16) x, so sum q x = 16 (dot - sum x)
+        const size_t at = (size_t)(first + r) * (K / GS) + group;
+        acc[r] += static_cast<float>(scales[at]) * (16.f * (dot - x_sum))
+            + static_cast<float>(biases[at]) * x_sum;
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float v = acc[r];
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) y[first + r] = static_cast<T>(v);
+  }
+"""
+
+_kernel: Any = None
+
+
+def available() -> bool:
+    """Whether the kernel can run here: MLX's CUDA backend, on the default (GPU) device."""
+    return bool(mx.cuda.is_available() and mx.default_device() == mx.gpu)
+
+
+def _compiled() -> Any:
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="trio_quantized_gemv4",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["y"],
+            source=_SOURCE,
+            header=_HEADER,
+            ensure_row_contiguous=False,
+        )
+    return _kernel
+
+
+def quantized_gemv(module: Any) -> Callable[[Any], Any] | None:
+    """The kernel's product for `module` (an `nn.QuantizedLinear`, or an `nn.QuantizedEmbedding`
+    used as a linear layer) of a (1, K) row, or None where the kernel does not apply (module
+    docstring). A row of another dtype than the scales' goes through `fallback`."""
+    if not available():
+        return None
+    if getattr(module, "mode", "affine") != "affine" or module.bits != 4:
+        return None
+    group = module.group_size
+    weight, scales, biases = module.weight, module.scales, module.get("biases")
+    if group not in (32, 64, 128) or biases is None or weight.dtype != mx.uint32:
+        return None
+    columns, words = weight.shape
+    width = words * 8
+    rows = ROWS if columns % ROWS == 0 else 1
+    if scales.dtype not in (mx.bfloat16, mx.float16):
+        return None
+    kernel = _compiled()
+    dtype = scales.dtype
+    template = [("T", dtype), ("K", width), ("N", columns), ("GS", group), ("ROWS", rows)]
+    grid = (32, columns // rows, 1)
+    block = (32, WARPS, 1)
+    shapes = [(1, columns)]
+    dtypes = [dtype]
+    bias = module.get("bias") if "bias" in module else None
+
+    fallback = module.as_linear if hasattr(module, "as_linear") else module
+
+    def product(x: Any) -> Any:
+        if x.dtype != dtype:
+            return fallback(x)
+        y = kernel(
+            inputs=[x, weight, scales, biases],
+            template=template,
+            grid=grid,
+            threadgroup=block,
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+        )[0]
+        return y if bias is None else y + bias
+
+    return product

@@ -1,0 +1,128 @@
+"""Our one-row 4-bit kernel (`engine/quantized_gemv.py`) applies only on MLX's CUDA backend to
+affine 4-bit layers; there its product is at least as close to the float32 product of the
+dequantized weight as MLX's own kernel's, across group sizes, dtypes, widths that are and are
+not a multiple of its step, odd column counts and a layer's bias, and the lean step through it
+keeps the model's logits within rounding.
+
+The kernel is CUDA code: the tests that run it need MLX's CUDA backend and skip elsewhere (CI has
+no GPU); they run on the GPU host (`python -m pytest tests/test_quantized_gemv.py`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from tiny_model import build_in_memory
+from trio_mlx.engine import quantized_gemv as qg
+from trio_mlx.engine.lean_step import LeanStep
+
+on_cuda = pytest.mark.skipif(
+    not qg.available(),
+    reason="needs MLX's CUDA backend: the kernel is CUDA code; no CUDA GPU here",
+)
+
+
+def _layer(width: int, columns: int, group: int, dtype: Any, *, bias: bool = False) -> Any:
+    mx.random.seed(width + columns + group)
+    layer = nn.Linear(width, columns, bias=bias)
+    layer.set_dtype(dtype)
+    return nn.QuantizedLinear.from_linear(layer, group_size=group, bits=4)
+
+
+def _exact(layer: Any, x: Any) -> Any:
+    """The float32 product of the dequantized weight (and the layer's bias)."""
+    weight = mx.dequantize(
+        layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=4
+    ).astype(mx.float32)
+    y = x.astype(mx.float32) @ weight.T
+    return y + layer.bias.astype(mx.float32) if "bias" in layer else y
+
+
+def test_off_a_cuda_gpu_the_layer_keeps_its_own_product() -> None:
+    """Elsewhere (this CPU, Metal) nothing is replaced: the lean step calls the module as is."""
+    if qg.available():
+        pytest.skip("on a CUDA GPU the kernel applies (the tests below)")
+    assert qg.quantized_gemv(_layer(128, 64, 64, mx.bfloat16)) is None
+
+
+def test_only_affine_four_bit_layers_take_it() -> None:
+    """An 8-bit layer, or a plain one, never takes the kernel, on any backend."""
+    eight = nn.QuantizedLinear.from_linear(nn.Linear(128, 64), group_size=64, bits=8)
+    assert qg.quantized_gemv(eight) is None
+
+
+@on_cuda
+@pytest.mark.parametrize(
+    ("width", "columns", "group", "dtype", "bias"),
+    [
+        (4096, 6144, 64, mx.bfloat16, False),
+        (14336, 4096, 64, mx.bfloat16, False),
+        (4096, 1024, 32, mx.bfloat16, False),
+        (2048, 512, 128, mx.float16, False),
+        (18944, 256, 64, mx.bfloat16, False),  # not a multiple of 1,024: a partial last step
+        (896, 1153, 64, mx.bfloat16, True),  # odd columns (one a warp), qwen2's biased layers
+    ],
+)
+def test_the_product_is_as_close_as_mlxs(
+    width: int, columns: int, group: int, dtype: Any, bias: bool
+) -> None:
+    layer = _layer(width, columns, group, dtype, bias=bias)
+    product = qg.quantized_gemv(layer)
+    assert product is not None
+    x = mx.random.normal((1, width)).astype(dtype)
+    exact = _exact(layer, x)
+    ours, theirs = product(x), layer(x)
+    assert ours.shape == theirs.shape == (1, columns) and ours.dtype == dtype
+    scale = mx.abs(exact).max().item()
+    ours_error = mx.abs(ours.astype(mx.float32) - exact).max().item() / scale
+    theirs_error = mx.abs(theirs.astype(mx.float32) - exact).max().item() / scale
+    assert ours_error <= max(theirs_error, 1e-2)
+
+
+@on_cuda
+def test_a_row_of_another_dtype_takes_the_layers_own_product() -> None:
+    layer = _layer(256, 128, 64, mx.bfloat16)
+    product = qg.quantized_gemv(layer)
+    assert product is not None
+    x = mx.random.normal((1, 256))  # float32
+    assert mx.array_equal(product(x), layer(x)).item()
+
+
+def _dequantized_copy(quantized: Any) -> Any:
+    """The same model in float32 with the quantized weights dequantized: the exact arithmetic
+    that both 4-bit kernels round."""
+    exact = build_in_memory("llama", tied=False)
+    weights = [
+        (f"{name}.weight", mx.dequantize(m.weight, m.scales, m.biases, group_size=64, bits=4))
+        for name, m in quantized.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    ]
+    exact.load_weights([(n, w.astype(mx.float32)) for n, w in weights], strict=False)
+    return exact
+
+
+@on_cuda
+def test_the_lean_step_through_it_is_as_close_to_the_exact_logits_as_the_models_own() -> None:
+    """40 steps of a 4-bit bf16 model: the lean step (our kernel for every projection) and the
+    model's own step (MLX's), each against the float32 model of the dequantized weights."""
+    model = build_in_memory("llama", tied=False)
+    nn.quantize(model, group_size=64, bits=4)
+    model.set_dtype(mx.bfloat16)
+    exact = _dequantized_copy(model)
+    lean = LeanStep(model)
+    assert lean._layers[0].down is not model.model.layers[0].mlp.down_proj  # the kernel's
+    caches = [make_prompt_cache(m) for m in (exact, model, model)]
+    own_error = ours_error = 0.0
+    token = mx.array([7])
+    for _ in range(40):
+        reference = exact(token[None], cache=caches[0])[:, -1, :]
+        own = model(token[None], cache=caches[1])[:, -1, :].astype(mx.float32)
+        ours = lean.logits(token, caches[2]).astype(mx.float32)
+        own_error += mx.abs(own - reference).mean().item()
+        ours_error += mx.abs(ours - reference).mean().item()
+        token = mx.argmax(reference, axis=-1)
+    assert ours_error <= 1.2 * own_error
