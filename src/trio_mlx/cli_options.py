@@ -193,7 +193,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="fuse each layer's q/k/v and gate/up projections at load (fewer kernel launches a "
-        "decode step; default: on on a GPU for unquantized weights, else off)",
+        "decode step; default: on on a GPU, for quantized weights on MLX's CUDA backend only; "
+        "off on the CPU)",
     )
     parser.add_argument(
         "--lean-decode",

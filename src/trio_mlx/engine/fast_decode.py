@@ -33,9 +33,10 @@
   nodes, the host's cost of a batch-1 step on a GPU): a lone sequence's decode steps on either
   route, where no traced step serves (H100, `bench.compiled_decode`: the engine 1.22-1.23x the
   fused step's tok/s on the 1B bf16 shape, 1.02-1.12x on the 8B bf16, which then waits on the
-  device in part; the 8B 4-bit 1.01-1.08x the plain step's loop). `lean_decode` None: on where
-  MLX runs on a GPU, off on the CPU (where arithmetic sets a step's time; the logits are the same
-  there, as the tests check).
+  device in part; on MLX's CUDA backend its 4-bit products go through our kernel
+  (`quantized_gemv`): the 8B 4-bit engine 1.47-1.55x raw mlx-lm, 1.02-1.15x with MLX's
+  kernels). `lean_decode` None: on where MLX runs on a GPU, off on the CPU (where arithmetic sets
+  a step's time; the logits are the same there, as the tests check).
 - quantized layers that multiply an input of many rows by their dequantized weight
   (`quantized_rows.route_rows`; `dequantize_from_rows` None: on MLX's CUDA backend only).
 
