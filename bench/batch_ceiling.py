@@ -8,7 +8,9 @@ For each B: B sequences, each with a `--context`-token KV cache (mlx-lm's `Batch
 argmax), and the same number of `BatchDecoder.decode()` calls (trio-mlx's batch: per-sequence
 selectors, pipelined), plain, with fused projections alone (`fused_decoder_*`: the GPU's
 default) and with `compiled_decode` (fused projections and the traced batch step:
-`compiled_decoder_*`). Aggregate tok/s = B ÷ median step time. The bare figure is the ceiling
+`compiled_decoder_*`), and with the lean step at every size (fused projections, a lone row's
+`LeanStep.logits` and a batch's `LeanStep.batch_logits`, `TRIO_MLX_LEAN_BATCH=on`:
+`lean_decoder_*`). Aggregate tok/s = B ÷ median step time. The bare figure is the ceiling
 that the HTTP figures are held against; the decoder figure says what the batch machinery costs.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -47,7 +50,13 @@ def bare_steps(model: Any, batch: int, context: int, steps: int) -> list[float]:
 
 
 def decoder_steps(
-    model: Any, batch: int, context: int, steps: int, vocab: int, compiled: Any = None
+    model: Any,
+    batch: int,
+    context: int,
+    steps: int,
+    vocab: int,
+    compiled: Any = None,
+    lean: Any = None,
 ) -> list[float]:
     import mlx.core as mx
 
@@ -56,7 +65,7 @@ def decoder_steps(
     from trio_mlx.types import SamplingParams
 
     decoder = BatchDecoder(
-        model, frozenset(), vocab_size=vocab, plan=PrefillPlan(4096), compiled=compiled
+        model, frozenset(), vocab_size=vocab, plan=PrefillPlan(4096), compiled=compiled, lean=lean
     )
     params = SamplingParams(max_tokens=10**6, temperature=0.0)
     for i in range(batch):
@@ -97,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     fused = structural_copy(model)  # raw mlx-lm's arrays, projections fused in the copy only
     fuse_projections(fused)
     compiled = CompiledDecode(fused, attention_kernel=False)
+    from trio_mlx.engine.lean_step import LeanStep
+
+    lean = LeanStep(fused)
+    os.environ["TRIO_MLX_LEAN_BATCH"] = "on"  # the lean step at every batch size
     rows = []
     for batch in [int(b) for b in args.batch.split(",")]:
         bare_steps(model, batch, args.context, 3)  # compile this shape's kernels
@@ -108,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         traced = statistics.median(
             decoder_steps(fused, batch, args.context, args.steps, vocab, compiled)
         )
+        leaner = statistics.median(
+            decoder_steps(fused, batch, args.context, args.steps, vocab, lean=lean)
+        )
         row = {
             "batch": batch,
             "bare_step_ms": bare * 1e3,
@@ -118,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             "fused_decoder_tok_s": batch / fused_plain,
             "compiled_decoder_step_ms": traced * 1e3,
             "compiled_decoder_tok_s": batch / traced,
+            "lean_decoder_step_ms": leaner * 1e3,
+            "lean_decoder_tok_s": batch / leaner,
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 import trio_mlx
 from model_wrappers import wrapping_loader
@@ -63,6 +63,43 @@ def test_the_logits_are_the_models_own(kind: str, tied: bool, variant: str) -> N
     assert ours[0].offset == own[0].offset == 320
     following = mx.argmax(model(token[None], cache=own)[:, -1, :], axis=-1)
     assert mx.array_equal(lean.step(token, ours, greedy=True), following).item()
+
+
+def _merged(model: Any, prompts: list[list[int]]) -> list[Any]:
+    """A batch cache (mlx-lm's `BatchKVCache`, left-padded) holding each prompt's prefill."""
+    caches = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array([prompt]), cache=cache)
+        mx.eval([c.state for c in cache])
+        caches.append(cache)
+    return [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+
+
+@pytest.mark.parametrize(
+    ("kind", "variant"),
+    [("llama", "fused"), ("qwen2", "plain"), ("qwen3", "quantized+fused")],
+)
+def test_a_batch_has_the_models_logits(kind: str, variant: str) -> None:
+    """`batch_logits`: three rows of different lengths (left padding, a mask) over mlx-lm's
+    batch cache, 240 steps, past its growth at 256 positions: the model's own batched logits
+    bit for bit on the CPU in float32."""
+    model = build_in_memory(kind)
+    if "quantized" in variant:
+        nn.quantize(model, group_size=32, bits=4)
+    if "fused" in variant:
+        assert fuse_projections(model) == 4
+    lean = LeanStep(model)
+    prompts = [list(range(5, 5 + n)) for n in (4, 11, 30)]
+    own, ours = _merged(model, prompts), _merged(model, prompts)
+    tokens = mx.array([7, 8, 9])
+    for _ in range(240):
+        expected = model(tokens[:, None], cache=own)[:, -1, :]
+        got = lean.batch_logits(tokens, ours)
+        assert got.shape == expected.shape == (3, 4096)
+        assert mx.array_equal(got, expected).item()
+        tokens = mx.argmax(expected, axis=-1)
+    assert ours[0].keys.shape[2] > 256  # it grew
 
 
 def _nodes(output: Any) -> dict[str, int]:
@@ -163,6 +200,31 @@ async def test_the_batched_route_gives_the_plain_tokens(
         assert lean == await _batched_script(engine)
         assert alone == await _script(engine)
     assert [len(r) for r in lean[:3]] == [24, 40, 60]
+
+
+async def test_with_lean_batches_on_the_batched_route_gives_the_plain_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`TRIO_MLX_LEAN_BATCH=on`: batches of 2 or more rows step through `batch_logits` over the
+    engine's batch caches (its masks, ragged and segmented attention): rows joining, leaving,
+    one aborted, a prefix-cache hit, the same tokens as with the lean step off."""
+    batched = {"calls": 0}
+    original = LeanStep.batch_logits
+
+    def counted(step: LeanStep, *args: Any) -> Any:
+        batched["calls"] += 1
+        return original(step, *args)
+
+    monkeypatch.setattr(LeanStep, "batch_logits", counted)
+    monkeypatch.setenv("TRIO_MLX_LEAN_BATCH", "on")
+    async with trio_mlx.open_engine(
+        tiny_model_dir, lean_decode=True, fused_projections=True, max_num_seqs=4
+    ) as engine:
+        lean = await _batched_script(engine)
+    assert batched["calls"] > 20
+    monkeypatch.delenv("TRIO_MLX_LEAN_BATCH")
+    async with trio_mlx.open_engine(tiny_model_dir, lean_decode=False, max_num_seqs=4) as engine:
+        assert lean == await _batched_script(engine)
 
 
 async def test_a_model_it_does_not_know_serves_on_the_models_own_step(

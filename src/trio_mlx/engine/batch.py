@@ -25,6 +25,11 @@ goes further, to its media lane's path (`lone_media`, `batch_lone_media`): its f
 its prompt's last pass, read at once, and while it decodes alone, its steps through its own model
 (the language model at its rope delta, as its lane calls it).
 
+With `lean` (the model's `lean_step.LeanStep`) a lone row decodes through the lean one-token step
+on its own cache; with `TRIO_MLX_LEAN_BATCH=on` too, a batch of 2 or more rows through
+`LeanStep.batch_logits` over the batch's cache, where no traced step serves (the model's own calls
+in fewer graph nodes: the same logits on the CPU; not yet measured on a GPU, hence off).
+
 With `compiled` (the model's `compiled_step.CompiledDecode`) the batch's forward pass is the
 traced batch step wherever the batch's cache fits it (`CompiledDecode.batch_fits`) and, with
 `compiled_rows`, the batch holds from 2 to `compiled_rows` rows (small batches, where a step is
@@ -167,6 +172,11 @@ class BatchDecoder:
         self.traced_steps = 0
         #: the lone row's one-token step, on its own cache (`lean_step`; None: the model's)
         self._lean = lean
+        #: the lean step for batches of 2 or more rows too: `TRIO_MLX_LEAN_BATCH=on`, an
+        #: experiment until measured on a GPU (module docstring)
+        self._lean_batch = (
+            lean is not None and os.environ.get("TRIO_MLX_LEAN_BATCH", "").lower() == "on"
+        )
         self._eos = eos_token_ids
         self._vocab = vocab_size
         self._plan = plan
@@ -348,8 +358,16 @@ class BatchDecoder:
             if traced is None and mix:  # no chunk rode in the pass after all
                 traced = self._traced_step(rows) if own is None else None
             lean = self._lean if self.solo and own is None else None
+            lean_rows = self._lean if self._lean_batch and own is None else None
             logits = forward(
-                self._model, rows, self._inputs, self._cache, own=own, compiled=traced, lean=lean
+                self._model,
+                rows,
+                self._inputs,
+                self._cache,
+                own=own,
+                compiled=traced,
+                lean=lean,
+                lean_rows=lean_rows,
             )
             self.traced_steps += traced is not None
         # No periodic `mx.clear_cache()` (mlx-lm's generate clears every 256 tokens): the

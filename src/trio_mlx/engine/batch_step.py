@@ -120,13 +120,16 @@ def forward(
     own: Any,
     compiled: CompiledDecode | None,
     lean: LeanStep | None = None,
+    lean_rows: LeanStep | None = None,
 ) -> Any:
     """The step's forward pass over `inputs` (one token a row) on the batch's `cache`; return
     its logits (shape (rows, vocab), lazy). The model it takes: `own`, a lone row's own model
     (`batch_lone_media.lone_step_model`), where given; else `lean`, a lone row's lean step
     (`lean_step`), where its cache fits it and it is at no rope delta; else the traced batch
-    step where the cache fits it and no row is at a rope delta; else `model`, with each row's
-    delta where any row continues a prompt with media (`BatchSequence.rope_delta`)."""
+    step where the cache fits it and no row is at a rope delta; else `lean_rows`, the lean step
+    over the batch's cache (`LeanStep.batch_logits`), where given and no row is at a rope delta;
+    else `model`, with each row's delta where any row continues a prompt with media
+    (`BatchSequence.rope_delta`)."""
     shifted = any(seq.rope_delta for seq in rows)
     if own is not None:
         return own(inputs[:, None], cache=cache)[:, -1, :]
@@ -134,6 +137,8 @@ def forward(
         return lean.logits(inputs, cache)
     if not shifted and compiled is not None and compiled.batch_fits(cache):
         return compiled.batch_logits(inputs, cache)
+    if not shifted and lean_rows is not None:
+        return lean_rows.batch_logits(inputs, cache)
     if shifted:
         deltas = mx.array([seq.rope_delta for seq in rows], dtype=mx.int32)
         return model(inputs[:, None], cache=cache, row_deltas=deltas)[:, -1, :]

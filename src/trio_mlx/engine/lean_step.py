@@ -38,6 +38,7 @@ float32 where MLX's sums in the activations' dtype (`quantized_gemv`: the closer
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -84,6 +85,21 @@ def _head(model: Any, quantized_kernel: bool) -> Projection:
             return quantized_gemv(embed) or embed.as_linear
         return embed.as_linear  # type: ignore[no-any-return]
     return _against(embed.weight)
+
+
+class _Batch:
+    """What a batch step's layers share: the mask of the batch's cache (as mlx-lm's
+    `create_attention_mask` makes it for one position) and the attention of the model's module
+    (looked up at each step: the engine may have put a dispatcher in its place)."""
+
+    __slots__ = ("attend", "mask")
+
+    def __init__(self, module: Any, first: Any) -> None:
+        self.attend = module.scaled_dot_product_attention
+        make_mask = getattr(first, "make_mask", None)
+        self.mask = (
+            None if make_mask is None else make_mask(1, return_array=False, window_size=None)
+        )
 
 
 class _Layer:
@@ -134,17 +150,17 @@ class _Layer:
         the heads (each part a contiguous run of the product)."""
         if "qkv_proj" not in attn:
             q, k, v = (self.project(attn[name]) for name in ("q_proj", "k_proj", "v_proj"))
-            shapes = [(1, n, 1, -1) for n in (self.heads, self.kv_heads, self.kv_heads)]
+            hq, hk = self.heads, self.kv_heads
             return lambda h: (
-                q(h).reshape(shapes[0]),
-                k(h).reshape(shapes[1]),
-                v(h).reshape(shapes[2]),
+                q(h).reshape(h.shape[0], hq, 1, -1),
+                k(h).reshape(h.shape[0], hk, 1, -1),
+                v(h).reshape(h.shape[0], hk, 1, -1),
             )
         fused = self.project(attn.qkv_proj)
         heads = self.heads + 2 * self.kv_heads
         split_at = [self.heads, self.heads + self.kv_heads]
         return lambda h: tuple(  # type: ignore[return-value]
-            mx.split(fused(h).reshape(1, heads, 1, -1), split_at, axis=1)
+            mx.split(fused(h).reshape(h.shape[0], heads, 1, -1), split_at, axis=1)
         )
 
     def _rotated_apart(self, h: Any, offset: int) -> tuple[Any, Any, Any]:
@@ -163,7 +179,7 @@ class _Layer:
         qk_heads, rope = self.heads + self.kv_heads, self.rope
 
         def attention_inputs(h: Any, offset: int) -> tuple[Any, Any, Any]:
-            qk, v = mx.split(fused(h).reshape(1, heads, 1, -1), [qk_heads], axis=1)
+            qk, v = mx.split(fused(h).reshape(h.shape[0], heads, 1, -1), [qk_heads], axis=1)
             q, k = mx.split(rope(qk, offset=offset), [self.heads], axis=1)
             return q, k, v
 
@@ -178,11 +194,16 @@ class _Layer:
         width = mlp.gate_up_proj.weight.shape[0] // 2
         return lambda m: tuple(mx.split(fused(m), [width], axis=-1))  # type: ignore[return-value]
 
-    def __call__(self, x: Any, cache: Any) -> Any:
+    def __call__(self, x: Any, cache: Any, batch: _Batch | None = None) -> Any:
+        """The block over `x`, (rows, hidden): one row over its own cache (`batch` None), or a
+        batch's rows over the batch's cache layer, attending as the model's module does."""
         q, k, v = self.attention_inputs(self.input_norm(x), cache.offset)
         k, v = cache.update_and_fetch(k, v)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
-        h = x + self.out(o.reshape(1, -1))
+        if batch is None:
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        else:
+            o = batch.attend(q, k, v, cache=cache, scale=self.scale, mask=batch.mask)
+        h = x + self.out(o.reshape(x.shape[0], -1))
         gate, up = self.gate_up(self.post_norm(h))
         return h + self.down(swiglu(gate, up))
 
@@ -197,6 +218,7 @@ class LeanStep:
         if reason is not None:
             raise ValueError(reason)
         inner = model.model
+        self._module = sys.modules[type(model).__module__]
         self._embed = inner.embed_tokens
         self._layers = [_Layer(layer, quantized_kernel) for layer in inner.layers]
         self._norm = inner.norm
@@ -212,6 +234,17 @@ class LeanStep:
         x = self._embed(token)
         for layer, layer_cache in zip(self._layers, cache, strict=True):
             x = layer(x, layer_cache)
+        return self._head(self._norm(x))
+
+    def batch_logits(self, tokens: Any, cache: Sequence[Any]) -> Any:
+        """Feed `tokens` (shape (rows,), one a row) over a batch's `cache` (advanced by one
+        position a row); return each row's next logits, shape (rows, vocab). The model's own
+        calls on the batch's cache (its offsets, `update_and_fetch`, `make_mask`, the module's
+        attention with the cache and mask), in the lean layout. Lazy."""
+        batch = _Batch(self._module, cache[0])
+        x = self._embed(tokens)
+        for layer, layer_cache in zip(self._layers, cache, strict=True):
+            x = layer(x, layer_cache, batch)
         return self._head(self._norm(x))
 
     def step(self, token: Any, cache: Sequence[Any], *, greedy: bool) -> Any:

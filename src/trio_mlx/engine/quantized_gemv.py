@@ -24,8 +24,8 @@ constant so the loop over it unrolls and every load of a thread is issued before
 used; the 32 weights are expanded to float32 by bit arithmetic, multiplied by the input in
 float32 and summed per group, then scaled (sum x scale + sum(x) x bias, the affine form), and
 the warp's lanes are reduced by shuffles. The module's own `bias` (if any) is added after. The
-function takes one row only (the lean step's input); a row of another dtype than the scales'
-goes through the module. Anything else (another bit width or mode, the CPU or Metal) is None:
+kernel takes one row (the lean step's lone row); more rows, or a row of another dtype than the
+scales', go through the module. Anything else (another bit width or mode, the CPU or Metal) is None:
 the caller keeps the module's own product.
 
 Numerics: the products and sums are float32 throughout, then rounded once to the input's dtype.
@@ -173,7 +173,7 @@ def quantized_gemv(module: Any) -> Callable[[Any], Any] | None:
     fallback = module.as_linear if hasattr(module, "as_linear") else module
 
     def product(x: Any) -> Any:
-        if x.dtype != dtype:
+        if x.dtype != dtype or x.shape[0] != 1:
             return fallback(x)
         y = kernel(
             inputs=[x, weight, scales, biases],
