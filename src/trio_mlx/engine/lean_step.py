@@ -28,7 +28,9 @@ that is not a plain `nn.Linear` is called as is) and the output head.
 
 Where: the architectures whose traced step is known (`compiled_step.unsupported_reason`: mlx-lm's
 llama, qwen2, qwen3 without sliding-window layers), over a cache of plain `KVCache` layers
-(`fits`). A step over anything else is the model's own forward pass.
+(`fits`). A step over anything else is the model's own forward pass. `batch_logits` takes a
+batch's rows over the batch's cache the same way, with the model's own mask and attention calls
+(the batched route uses it with `TRIO_MLX_LEAN_BATCH=on`, `engine/batch.py`).
 
 Output: on the CPU the same products and the same kernels on the same shapes, so in float32 the
 logits equal the model's own (tests/test_lean_step.py); on a GPU a kernel chosen for a
