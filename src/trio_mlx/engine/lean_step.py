@@ -57,8 +57,8 @@ Projection = Callable[[Any], Any]
 
 
 def _against(weight: Any, bias: Any = None) -> Projection:
-    """A (1, K) row times `weight` transposed (once, here: a view of the weight's buffer, with
-    no graph behind it), as one Matmul, or one AddMM with `bias`."""
+    """(rows, K) times `weight` transposed (once, here: a view of the weight's buffer, with no
+    graph behind it), as one Matmul, or one AddMM with `bias`."""
     transposed = weight.T
     mx.eval(transposed)
     if bias is not None:
@@ -67,9 +67,10 @@ def _against(weight: Any, bias: Any = None) -> Projection:
 
 
 def _projection(module: Any, quantized_kernel: bool) -> Projection:
-    """`module` applied to a (1, K) row: a plain `nn.Linear` against its weight transposed once
+    """`module` applied to (rows, K): a plain `nn.Linear` against its weight transposed once
     (`_against`); with `quantized_kernel`, a 4-bit quantized layer through our one-row kernel
-    where it applies (`quantized_gemv`); anything else as the module itself."""
+    where it applies (`quantized_gemv`: more rows go through the module); anything else as the
+    module itself."""
     if type(module) is not Linear:
         if quantized_kernel and isinstance(module, QuantizedLinear):
             return quantized_gemv(module) or module
