@@ -147,7 +147,10 @@ def _compiled() -> Any:
 def quantized_gemv(module: Any) -> Callable[[Any], Any] | None:
     """The kernel's product for `module` (an `nn.QuantizedLinear`, or an `nn.QuantizedEmbedding`
     used as a linear layer) of a (1, K) row, or None where the kernel does not apply (module
-    docstring). A row of another dtype than the scales' goes through `fallback`."""
+    docstring). More rows, or a row of another dtype than the scales', go through the module.
+    The kernel reads its row 16 bytes at a time: the row must start 16-byte aligned, as an
+    array of its own does (a copy is made of one that is not row-contiguous; an offset view
+    into a larger buffer is not supported)."""
     if not available():
         return None
     if getattr(module, "mode", "affine") != "affine" or module.bits != 4:
