@@ -42,11 +42,11 @@ def _exact(layer: Any, x: Any) -> Any:
     return y + layer.bias.astype(mx.float32) if "bias" in layer else y
 
 
-def test_off_a_cuda_gpu_the_layer_keeps_its_own_product() -> None:
-    """Elsewhere (this CPU, Metal) nothing is replaced: the lean step calls the module as is."""
-    if qg.available():
-        pytest.skip("on a CUDA GPU the kernel applies (the tests below)")
-    assert qg.quantized_gemv(_layer(128, 64, 64, mx.bfloat16)) is None
+def test_a_four_bit_layer_takes_the_kernel_only_on_a_cuda_gpu() -> None:
+    """On MLX's CUDA backend a product; elsewhere (this CPU, Metal) nothing is replaced: the lean
+    step calls the module as is."""
+    product = qg.quantized_gemv(_layer(128, 64, 64, mx.bfloat16))
+    assert (product is not None) == qg.available()
 
 
 def test_only_affine_four_bit_layers_take_it() -> None:

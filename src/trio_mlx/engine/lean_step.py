@@ -140,17 +140,19 @@ class _Layer:
         if "q_norm" in attn:  # qwen3: each head's queries and keys normalized
             q_norm, k_norm = attn.q_norm, attn.k_norm
             self.qk_norm = lambda q, k: (q_norm(q), k_norm(k))
-        self.qkv = self._qkv(attn)
-        #: q and k rotated to position `offset` (after qwen3's norms) and v, of the normed row
-        #: `h`, each shaped (1, heads, 1, head_dim)
-        self.attention_inputs: Callable[[Any, int], tuple[Any, Any, Any]] = self._rotated_apart
+        #: q and k rotated to position `offset` (after qwen3's norms) and v, of the normed rows
+        #: `h`, each shaped (rows, heads, 1, head_dim)
+        self.attention_inputs: Callable[[Any, int], tuple[Any, Any, Any]]
         if "qkv_proj" in attn and self.qk_norm is None:
             self.attention_inputs = self._rotated_together(attn)
+        else:
+            self.qkv = self._qkv(attn)
+            self.attention_inputs = self._rotated_apart
 
     def _qkv(self, attn: Any) -> Callable[[Any], tuple[Any, Any, Any]]:
-        """q, k and v of a (1, hidden) row, each shaped (1, heads, 1, head_dim): where they are
-        fused, one product, one Reshape of it to (1, all heads, 1, head_dim) and one Split along
-        the heads (each part a contiguous run of the product)."""
+        """q, k and v of (rows, hidden), each shaped (rows, heads, 1, head_dim): where they are
+        fused, one product, one Reshape of it to (rows, all heads, 1, head_dim) and one Split
+        along the heads (each part a contiguous run of the product)."""
         if "qkv_proj" not in attn:
             q, k, v = (self.project(attn[name]) for name in ("q_proj", "k_proj", "v_proj"))
             hq, hk = self.heads, self.kv_heads
