@@ -26,6 +26,8 @@ queuing step k+1 before reading token k (as the engine does):
   their quantized products go through our one-row kernel (`engine/quantized_gemv.py`);
 - `lean+mlx_qmv`: `lean+fused` with MLX's own quantized kernels (the same as `lean+fused` on an
   unquantized model);
+- `lean+rows`: `lean+fused` with each block's products, its norms, SwiGLU and residual adds as
+  four kernels of our own (`engine/row_product.py`; MLX's CUDA backend only, else `lean+fused`);
 - `engine_lean`: `decode.ActiveSequence` with the lean step on the fused model (what a GPU
   serves by default).
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
@@ -79,6 +81,7 @@ VARIANTS = (
     "lean",
     "lean+fused",
     "lean+mlx_qmv",
+    "lean+rows",
     "engine_lean",
 )
 DEFAULT_MODELS = "synthetic:llama-1b-bf16,synthetic:llama-8b-bf16,synthetic:llama-8b-q4"
@@ -311,6 +314,7 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
         "lean": LeanStep(model),
         "lean+fused": LeanStep(fused),
         "lean+mlx_qmv": LeanStep(fused, quantized_kernel=False),
+        "lean+rows": LeanStep(fused, row_kernels=True),
     }
     check = kernel_check(model) if "kernel" in args.variants else {"skipped": "not asked"}
     if "error" not in check and "skipped" not in check:

@@ -11,7 +11,11 @@ Variants, on the same model object (its layers switched in place between them):
   (B, K)): MLX's CUDA kernel then tiles the rows together instead of taking a batch of B
   one-row matrices (not served: it says how much of the cost is that);
 - `dequantized`: every product through the layer's weight dequantized (`route_rows` at one row),
-  which `dequantize_from_rows` serves from its threshold on (below it, `quantized`).
+  which `dequantize_from_rows` serves from its threshold on;
+- `routed`: what is served on MLX's CUDA backend (`route_rows` at `CUDA_DEQUANTIZE_FROM_ROWS`):
+  2 to 8 rows through our kernel that reads the weight once for all of them
+  (`quantized_gemv.quantized_rows_product`), other counts below the threshold as `flat`, the
+  threshold and above as `dequantized`.
 
 Decode: for each `--batch` B, one `BatchKVCache` per layer holding `--context` positions of
 zeros (attention's cost does not depend on the values), then per repeat and variant (alternating)
@@ -46,7 +50,7 @@ from bench.models import resolve_subject
 
 from trio_mlx.engine.quantized_rows import CUDA_DEQUANTIZE_FROM_ROWS, route_rows, unroute_rows
 
-VARIANTS = ("quantized", "flat", "dequantized")
+VARIANTS = ("quantized", "flat", "dequantized", "routed")
 
 
 class _FlatRowsLinear(nn.QuantizedLinear):  # type: ignore[misc]
@@ -77,6 +81,8 @@ def set_variant(model: Any, variant: str) -> int:
                 layers += 1
     if variant == "dequantized":
         route_rows(model, 1)
+    elif variant == "routed":
+        route_rows(model, CUDA_DEQUANTIZE_FROM_ROWS)
     return layers
 
 

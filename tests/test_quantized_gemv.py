@@ -126,3 +126,65 @@ def test_the_lean_step_through_it_is_as_close_to_the_exact_logits_as_the_models_
         ours_error += mx.abs(ours - reference).mean().item()
         token = mx.argmax(reference, axis=-1)
     assert ours_error <= 1.2 * own_error
+
+
+@on_cuda
+@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize(
+    ("width", "columns", "group", "dtype", "bias"),
+    [
+        (4096, 6144, 64, mx.bfloat16, False),
+        (14336, 4096, 64, mx.bfloat16, False),
+        (2048, 512, 128, mx.float16, False),
+        (18944, 256, 32, mx.bfloat16, False),  # a partial last step
+        (896, 1153, 64, mx.bfloat16, True),  # odd columns, a bias
+    ],
+)
+def test_a_few_rows_are_as_close_as_mlxs(
+    rows: int, width: int, columns: int, group: int, dtype: Any, bias: bool
+) -> None:
+    """2 to 8 rows in one pass over the weight: each row as close to the float32 product as
+    MLX's kernel makes it."""
+    layer = _layer(width, columns, group, dtype, bias=bias)
+    product = qg.quantized_rows_product(layer)
+    assert product is not None
+    x = mx.random.normal((rows, width)).astype(dtype)
+    exact = _exact(layer, x)
+    ours, theirs = product(x), layer(x)
+    assert ours is not None and ours.shape == theirs.shape == (rows, columns)
+    scale = mx.abs(exact).max().item()
+    ours_error = mx.abs(ours.astype(mx.float32) - exact).max().item() / scale
+    theirs_error = mx.abs(theirs.astype(mx.float32) - exact).max().item() / scale
+    assert ours_error <= max(theirs_error, 1e-2)
+
+
+@on_cuda
+def test_other_row_counts_are_left_to_the_caller() -> None:
+    layer = _layer(256, 128, 64, mx.bfloat16)
+    product = qg.quantized_rows_product(layer)
+    assert product is not None
+    for rows in (1, qg.MAX_ROWS + 1):
+        assert product(mx.random.normal((rows, 256)).astype(mx.bfloat16)) is None
+    assert product(mx.random.normal((4, 256))) is None  # float32 rows
+
+
+@on_cuda
+def test_a_routed_layer_takes_a_few_rows_through_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batched decode step's (B, 1, K) input to a routed layer (`quantized_rows`, as served on
+    MLX's CUDA backend) gets the kernel's product for B = 2 to 8, MLX's beyond."""
+    from trio_mlx.engine import quantized_rows
+    from trio_mlx.engine.quantized_rows import route_rows
+
+    monkeypatch.setattr(quantized_rows, "FEW_ROWS_KERNEL", True)
+    model = nn.Sequential(_layer(512, 256, 64, mx.bfloat16))
+    route_rows(model, 128)
+    layer = model.layers[0]
+    product = qg.quantized_rows_product(layer)
+    assert product is not None
+    x = mx.random.normal((4, 1, 512)).astype(mx.bfloat16)
+    assert mx.array_equal(layer(x), product(x.reshape(4, 512)).reshape(4, 1, 256)).item()
+    wide = mx.random.normal((12, 1, 512)).astype(mx.bfloat16)
+    own = nn.QuantizedLinear.__call__(layer, wide.reshape(12, 512)).reshape(12, 1, 256)
+    assert mx.array_equal(layer(wide), own).item()

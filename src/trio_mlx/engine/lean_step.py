@@ -21,6 +21,10 @@ position, (B, L, H, D) and (B, H, L, D) are the same memory) and split along the
 qwen3's q/k norms, q and k stay one array through the rotary embedding (one kernel, not two: the
 rotation is per head). The attention's output goes back by one Reshape. ~20 nodes a layer, 13 of
 them kernels (on an H100 the 1B step built in ~0.44 ms, the model's own fused step in 0.80).
+With `row_kernels` (MLX's CUDA backend; `row_product`), a lone row's block goes further: its
+four products take in the norms, the SwiGLU and the residual adds around them (q/k/v with the
+input norm, o with the residual, gate/up with the post-attention norm, down with the SwiGLU and
+the residual), and the head takes the final norm: ~14 nodes a layer, 4 of them our kernels.
 Everything else is the model's own code, called as the model calls it: the embedding, the norms
 (`input_layernorm`, ..., qwen3's `q_norm` / `k_norm`), the rotary embedding at the cache's
 offset, `KVCache.update_and_fetch`, mlx-lm's `swiglu`, other quantized projections (any module
@@ -50,6 +54,7 @@ from mlx_lm.models.activations import swiglu
 
 from trio_mlx.engine.compiled_step import CompiledDecode, unsupported_reason
 from trio_mlx.engine.quantized_gemv import quantized_gemv
+from trio_mlx.engine.row_product import RowProduct, row_product
 
 __all__ = ["LeanStep"]
 
@@ -90,6 +95,13 @@ def _head(model: Any, quantized_kernel: bool) -> Projection:
     return _against(embed.weight)
 
 
+def _head_module(model: Any) -> Any:
+    """The module whose weight is the output head's: `lm_head`, or the tied input embedding."""
+    if getattr(model.args, "tie_word_embeddings", False):
+        return model.model.embed_tokens
+    return model.lm_head
+
+
 class _Batch:
     """What a batch step's layers share: the mask of the batch's cache (as mlx-lm's
     `create_attention_mask` makes it for one position) and the attention of the model's module
@@ -105,6 +117,33 @@ class _Batch:
         )
 
 
+class _RowKernels:
+    """A block's four products as `row_product` kernels: the input norm with q/k/v, o with the
+    residual, the post-attention norm with gate/up, the SwiGLU with down and the residual."""
+
+    __slots__ = ("down", "norm_gate_up", "norm_qkv", "out")
+
+    def __init__(self, qkv: RowProduct, out: RowProduct, gate_up: RowProduct, down: RowProduct):
+        self.norm_qkv, self.out, self.norm_gate_up, self.down = qkv, out, gate_up, down
+
+    @classmethod
+    def of(cls, layer: Any) -> _RowKernels | None:
+        """The kernels of `layer`, or None unless every one applies (fused q/k/v and gate/up
+        projections, no q/k norms, layers and norms the kernel takes)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        if "qkv_proj" not in attn or "gate_up_proj" not in mlp or "q_norm" in attn:
+            return None
+        products = (
+            row_product(attn.qkv_proj, norm=layer.input_layernorm),
+            row_product(attn.o_proj, residual=True),
+            row_product(mlp.gate_up_proj, norm=layer.post_attention_layernorm),
+            row_product(mlp.down_proj, swiglu=True, residual=True),
+        )
+        if any(product is None for product in products):
+            return None
+        return cls(*products)  # type: ignore[arg-type]
+
+
 class _Layer:
     """One transformer block's pieces, looked up once."""
 
@@ -114,6 +153,7 @@ class _Layer:
         "gate_up",
         "heads",
         "input_norm",
+        "kernels",
         "kv_heads",
         "out",
         "post_norm",
@@ -124,7 +164,7 @@ class _Layer:
         "scale",
     )
 
-    def __init__(self, layer: Any, quantized_kernel: bool) -> None:
+    def __init__(self, layer: Any, quantized_kernel: bool, row_kernels: bool = False) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.project: Callable[[Any], Projection] = lambda m: _projection(m, quantized_kernel)
         self.input_norm = layer.input_layernorm
@@ -144,10 +184,13 @@ class _Layer:
         #: `h`, each shaped (rows, heads, 1, head_dim)
         self.attention_inputs: Callable[[Any, int], tuple[Any, Any, Any]]
         if "qkv_proj" in attn and self.qk_norm is None:
-            self.attention_inputs = self._rotated_together(attn)
+            fused = self.project(attn.qkv_proj)
+            self.attention_inputs = lambda h, offset: self._split_rotated(fused(h), offset)
         else:
             self.qkv = self._qkv(attn)
             self.attention_inputs = self._rotated_apart
+        #: a lone row's block through `row_product` kernels (`LeanStep`'s `row_kernels`)
+        self.kernels = _RowKernels.of(layer) if row_kernels else None
 
     def _qkv(self, attn: Any) -> Callable[[Any], tuple[Any, Any, Any]]:
         """q, k and v of (rows, hidden), each shaped (rows, heads, 1, head_dim): where they are
@@ -175,20 +218,14 @@ class _Layer:
             q, k = self.qk_norm(q, k)
         return self.rope(q, offset=offset), self.rope(k, offset=offset), v
 
-    def _rotated_together(self, attn: Any) -> Callable[[Any, int], tuple[Any, Any, Any]]:
-        """`attention_inputs` where q, k and v are fused and not normed: q and k, a contiguous
-        run of the product's heads, go through the rotary embedding as one array (one kernel
-        instead of two: the rotation is per head)."""
-        fused = self.project(attn.qkv_proj)
+    def _split_rotated(self, qkv: Any, offset: int) -> tuple[Any, Any, Any]:
+        """q, k (rotated to `offset`) and v of a fused, unnormed q/k/v product `qkv`: q and k, a
+        contiguous run of the product's heads, go through the rotary embedding as one array (one
+        kernel instead of two: the rotation is per head)."""
         heads = self.heads + 2 * self.kv_heads
-        qk_heads, rope = self.heads + self.kv_heads, self.rope
-
-        def attention_inputs(h: Any, offset: int) -> tuple[Any, Any, Any]:
-            qk, v = mx.split(fused(h).reshape(h.shape[0], heads, 1, -1), [qk_heads], axis=1)
-            q, k = mx.split(rope(qk, offset=offset), [self.heads], axis=1)
-            return q, k, v
-
-        return attention_inputs
+        qk, v = mx.split(qkv.reshape(qkv.shape[0], heads, 1, -1), [heads - self.kv_heads], axis=1)
+        q, k = mx.split(self.rope(qk, offset=offset), [self.heads], axis=1)
+        return q, k, v
 
     def _gate_up(self, mlp: Any) -> Callable[[Any], tuple[Any, Any]]:
         """The MLP's gate and up products: one product and a Split where they are fused."""
@@ -202,6 +239,8 @@ class _Layer:
     def __call__(self, x: Any, cache: Any, batch: _Batch | None = None) -> Any:
         """The block over `x`, (rows, hidden): one row over its own cache (`batch` None), or a
         batch's rows over the batch's cache layer, attending as the model's module does."""
+        if batch is None and self.kernels is not None:
+            return self._through_kernels(x, cache, self.kernels)
         q, k, v = self.attention_inputs(self.input_norm(x), cache.offset)
         k, v = cache.update_and_fetch(k, v)
         if batch is None:
@@ -212,22 +251,36 @@ class _Layer:
         gate, up = self.gate_up(self.post_norm(h))
         return h + self.down(swiglu(gate, up))
 
+    def _through_kernels(self, x: Any, cache: Any, kernels: _RowKernels) -> Any:
+        """The block over one row `x` with its products as `row_product` kernels."""
+        q, k, v = self._split_rotated(kernels.norm_qkv(x), cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        h = kernels.out(o.reshape(1, -1), x)
+        return kernels.down(kernels.norm_gate_up(h), h)
+
 
 class LeanStep:
     """The lean one-token step of one model (module docstring). Build it after the model's
     projections are fused (it keeps what it finds); drop it with the model (it holds views of
     its weights)."""
 
-    def __init__(self, model: Any, *, quantized_kernel: bool = True) -> None:
+    def __init__(
+        self, model: Any, *, quantized_kernel: bool = True, row_kernels: bool = False
+    ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
         inner = model.model
         self._module = sys.modules[type(model).__module__]
         self._embed = inner.embed_tokens
-        self._layers = [_Layer(layer, quantized_kernel) for layer in inner.layers]
+        self._layers = [_Layer(layer, quantized_kernel, row_kernels) for layer in inner.layers]
         self._norm = inner.norm
         self._head = _head(model, quantized_kernel)
+        #: a lone row's final norm and head as one `row_product` kernel, where it applies
+        self._norm_head = row_product(_head_module(model), norm=inner.norm) if row_kernels else None
+        #: how many blocks take a lone row through `row_product` kernels (`row_kernels`)
+        self.kernel_layers = sum(layer.kernels is not None for layer in self._layers)
 
     #: whether a sequence's cache can take the lean step: every layer a plain `KVCache`, as the
     #: traced step's
@@ -239,6 +292,8 @@ class LeanStep:
         x = self._embed(token)
         for layer, layer_cache in zip(self._layers, cache, strict=True):
             x = layer(x, layer_cache)
+        if self._norm_head is not None:
+            return self._norm_head(x)
         return self._head(self._norm(x))
 
     def batch_logits(self, tokens: Any, cache: Sequence[Any]) -> Any:

@@ -41,7 +41,7 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["available", "quantized_gemv"]
+__all__ = ["MAX_ROWS", "available", "quantized_gemv", "quantized_rows_product"]
 
 #: output columns per warp and warps per block: of (1, 8), (2, 4), (4, 4), (2, 8) on the H100,
 #: 2 x 8 was fastest or within 6 % of it on every 8B shape (4 columns a warp lost up to 2x on
@@ -122,7 +122,97 @@ _SOURCE = r"""
   }
 """
 
+#: the most input rows `quantized_rows_product` takes in one kernel (its accumulators are
+#: registers: ROWS x MAX_ROWS floats a thread)
+MAX_ROWS = 8
+
+# A few input rows (2 to MAX_ROWS, the row count read from x's shape at run time) in one pass
+# over the weight: each lane expands its 32 weights of a column to float32 once per step and
+# uses them for every row, so the weight is read once whatever the row count (MLX's kernels read
+# it once a row, or dequantize it once a 16-row tile). Inputs x (M, K), w, scales, biases as
+# above; output y (M, N). The same grid and sums as the one-row kernel.
+_ROWS_SOURCE = r"""
+  constexpr int WORDS = K / 8;
+  constexpr int CHUNKS = K / 32;
+  constexpr int STEPS = (CHUNKS + 31) / 32;
+  constexpr int X_VECTORS = 32 * sizeof(T) / 16;
+  const int M = x_shape[0];
+  const int lane = threadIdx.x;
+  const int first = (blockIdx.y * blockDim.y + threadIdx.y) * ROWS;
+  if (first >= N) return;
+  float acc[ROWS][MAX_M];
+  #pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    #pragma unroll
+    for (int m = 0; m < MAX_M; ++m) acc[r][m] = 0.f;
+  }
+  #pragma unroll 1
+  for (int step = 0; step < STEPS; ++step) {
+    const int chunk = step * 32 + lane;
+    if (CHUNKS % 32 != 0 && chunk >= CHUNKS) break;
+    float wf[ROWS][32];
+    float scale[ROWS];
+    float bias[ROWS];
+    const int group = (chunk * 32) / GS;
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const uint4 packed =
+          __ldg(reinterpret_cast<const uint4*>(w + (size_t)(first + r) * WORDS) + chunk);
+      const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        #pragma unroll
+        for (int t = 0; t < 8; ++t) wf[r][j * 8 + t] = trio_nibble(words[j], 4 * t);
+      }
+      const size_t at = (size_t)(first + r) * (K / GS) + group;
+      scale[r] = static_cast<float>(scales[at]);
+      bias[r] = static_cast<float>(biases[at]);
+    }
+    #pragma unroll
+    for (int m = 0; m < MAX_M; ++m) {
+      if (m < M) {
+        float xf[32];
+        const uint4* xv = reinterpret_cast<const uint4*>(x + (size_t)m * K + chunk * 32);
+        #pragma unroll
+        for (int v = 0; v < X_VECTORS; ++v) {
+          const uint4 loaded = __ldg(xv + v);
+          const T* e = reinterpret_cast<const T*>(&loaded);
+          #pragma unroll
+          for (int i = 0; i < 16 / (int)sizeof(T); ++i) {
+            xf[v * (16 / sizeof(T)) + i] = static_cast<float>(e[i]);
+          }
+        }
+        float x_sum = 0.f;
+        #pragma unroll
+        for (int i = 0; i < 32; ++i) x_sum += xf[i];
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          float dot = 0.f;
+          #pragma unroll
+          for (int i = 0; i < 32; ++i) dot = fmaf(wf[r][i], xf[i], dot);
+          acc[r][m] += scale[r] * (16.f * (dot - x_sum)) + bias[r] * x_sum;
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int m = 0; m < MAX_M; ++m) {
+    if (m < M) {
+      #pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float v = acc[r][m];
+        #pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          v += __shfl_xor_sync(0xffffffffu, v, offset);
+        }
+        if (lane == 0) y[(size_t)m * N + first + r] = static_cast<T>(v);
+      }
+    }
+  }
+"""
+
 _kernel: Any = None
+_rows_kernel: Any = None
 
 
 def available() -> bool:
@@ -144,6 +234,76 @@ def _compiled() -> Any:
     return _kernel
 
 
+def _compiled_rows() -> Any:
+    global _rows_kernel
+    if _rows_kernel is None:
+        _rows_kernel = mx.fast.cuda_kernel(
+            name="trio_quantized_rows4",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["y"],
+            source=_ROWS_SOURCE,
+            header=_HEADER,
+            ensure_row_contiguous=True,
+        )
+    return _rows_kernel
+
+
+def _weights(module: Any) -> tuple[Any, Any, Any] | None:
+    """(weight, scales, biases) of an affine 4-bit layer the kernels take, else None."""
+    if getattr(module, "mode", "affine") != "affine" or module.bits != 4:
+        return None
+    weight, scales, biases = module.weight, module.scales, module.get("biases")
+    if module.group_size not in (32, 64, 128) or biases is None or weight.dtype != mx.uint32:
+        return None
+    if scales.dtype not in (mx.bfloat16, mx.float16):
+        return None
+    return weight, scales, biases
+
+
+def quantized_rows_product(module: Any) -> Callable[[Any], Any] | None:
+    """For an affine 4-bit layer as `quantized_gemv` takes, a function of an (M, K) matrix of 2
+    to `MAX_ROWS` rows to its (M, N) product (plus the module's bias) in one pass over the
+    weight, or None where the kernel does not apply (as `quantized_gemv`). Other row counts, or
+    rows of another dtype than the scales', return None from the function: the caller keeps
+    its own product. The rows must start 16-byte aligned (as `quantized_gemv`'s row)."""
+    if not available():
+        return None
+    arrays = _weights(module)
+    if arrays is None:
+        return None
+    weight, scales, biases = arrays
+    columns = weight.shape[0]
+    rows = ROWS if columns % ROWS == 0 else 1
+    dtype = scales.dtype
+    template = [
+        ("T", dtype),
+        ("K", weight.shape[1] * 8),
+        ("N", columns),
+        ("GS", module.group_size),
+        ("ROWS", rows),
+        ("MAX_M", MAX_ROWS),
+    ]
+    grid = (32, columns // rows, 1)
+    block = (32, WARPS, 1)
+    bias = module.get("bias") if "bias" in module else None
+    kernel = _compiled_rows()
+
+    def product(x: Any) -> Any:
+        if x.ndim != 2 or not 2 <= x.shape[0] <= MAX_ROWS or x.dtype != dtype:
+            return None
+        y = kernel(
+            inputs=[x, weight, scales, biases],
+            template=template,
+            grid=grid,
+            threadgroup=block,
+            output_shapes=[(x.shape[0], columns)],
+            output_dtypes=[dtype],
+        )[0]
+        return y if bias is None else y + bias
+
+    return product
+
+
 def quantized_gemv(module: Any) -> Callable[[Any], Any] | None:
     """The kernel's product for `module` (an `nn.QuantizedLinear`, or an `nn.QuantizedEmbedding`
     used as a linear layer) of a (1, K) row, or None where the kernel does not apply (module
@@ -153,17 +313,14 @@ def quantized_gemv(module: Any) -> Callable[[Any], Any] | None:
     into a larger buffer is not supported)."""
     if not available():
         return None
-    if getattr(module, "mode", "affine") != "affine" or module.bits != 4:
+    arrays = _weights(module)
+    if arrays is None:
         return None
+    weight, scales, biases = arrays
     group = module.group_size
-    weight, scales, biases = module.weight, module.scales, module.get("biases")
-    if group not in (32, 64, 128) or biases is None or weight.dtype != mx.uint32:
-        return None
     columns, words = weight.shape
     width = words * 8
     rows = ROWS if columns % ROWS == 0 else 1
-    if scales.dtype not in (mx.bfloat16, mx.float16):
-        return None
     kernel = _compiled()
     dtype = scales.dtype
     template = [("T", dtype), ("K", width), ("N", columns), ("GS", group), ("ROWS", rows)]

@@ -56,10 +56,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import mlx.core as mx
 from mlx.nn import QuantizedEmbedding, QuantizedLinear  # type: ignore[attr-defined]
+
+from trio_mlx.engine.quantized_gemv import MAX_ROWS, quantized_rows_product
 
 __all__ = [
     "CUDA_DEQUANTIZE_FROM_ROWS",
@@ -83,6 +86,38 @@ CUDA_DEQUANTIZE_FROM_ROWS = 128
 
 #: The attribute holding a routed layer's threshold (a plain attribute, not a parameter).
 _THRESHOLD = "dequantize_from_rows"
+
+#: Whether 2 to `MAX_ROWS` rows take our kernel (`_few_rows`): `TRIO_MLX_FEW_ROWS=on` (off
+#: until measured on a GPU)
+FEW_ROWS_KERNEL = os.environ.get("TRIO_MLX_FEW_ROWS", "").lower() == "on"
+
+#: The attribute holding a routed layer's few-rows kernel (`quantized_rows_product`), made at its
+#: first product of 2 to `MAX_ROWS` rows; False where the kernel does not apply.
+_FEW_ROWS = "_few_rows_product"
+
+
+def _few_rows(layer: Any, x: Any) -> Any:
+    """`layer`'s product of `x` (2 to `MAX_ROWS` rows as one matrix) through our kernel that
+    reads the weight once for all rows, or None where it does not apply (not MLX's CUDA
+    backend, another quantization, another row count or dtype)."""
+    if not 2 <= x.shape[0] <= MAX_ROWS or not FEW_ROWS_KERNEL:
+        return None
+    product = layer.__dict__.get(_FEW_ROWS)
+    if product is None:
+        product = quantized_rows_product(layer) or False
+        object.__setattr__(layer, _FEW_ROWS, product)
+    return product(x) if product else None
+
+
+def _quantized(layer: Any, x: Any, own: Any) -> Any:
+    """`x` (any leading dims) times `layer`'s quantized weight as one matrix (`flat`): 2 to
+    `MAX_ROWS` rows through `_few_rows` where it applies, else `own` (MLX's kernel)."""
+
+    def product(rows: Any) -> Any:
+        y = _few_rows(layer, rows)
+        return own(rows) if y is None else y
+
+    return flat(x, product)
 
 
 def rows_of(x: Any) -> int:
@@ -128,8 +163,8 @@ class RowRoutedLinear(QuantizedLinear):  # type: ignore[misc]
         return self.quantized(x)
 
     def quantized(self, x: Any) -> Any:
-        """`QuantizedLinear`'s own product, of `x`'s rows as one matrix (`flat`)."""
-        return flat(x, super().__call__)
+        """`QuantizedLinear`'s product of `x`'s rows as one matrix (`_quantized`)."""
+        return _quantized(self, x, super().__call__)
 
     def dense(self, x: Any) -> Any:
         """`x` times the weight dequantized to `x`'s dtype, plus the bias if any."""
@@ -151,8 +186,8 @@ class RowRoutedEmbedding(QuantizedEmbedding):  # type: ignore[misc]
         return self.quantized(x)
 
     def quantized(self, x: Any) -> Any:
-        """`QuantizedEmbedding.as_linear`'s own product, of `x`'s rows as one matrix (`flat`)."""
-        return flat(x, super().as_linear)
+        """`QuantizedEmbedding.as_linear`'s product of `x`'s rows as one matrix (`_quantized`)."""
+        return _quantized(self, x, super().as_linear)
 
     def dense(self, x: Any) -> Any:
         """`x` times the embedding matrix, dequantized to `x`'s dtype, transposed."""
@@ -190,6 +225,7 @@ def unroute_rows(model: Any) -> int:
             continue
         module.__class__ = plain
         object.__delattr__(module, _THRESHOLD)
+        module.__dict__.pop(_FEW_ROWS, None)
         restored += 1
     return restored
 
