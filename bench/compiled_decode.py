@@ -29,7 +29,7 @@ queuing step k+1 before reading token k (as the engine does):
 - `lean+rows`: `lean+fused` with each block's products, its norms, SwiGLU and residual adds as
   four kernels of our own (`engine/row_product.py`; MLX's CUDA backend only, else `lean+fused`);
 - `engine_lean`: `decode.ActiveSequence` with the lean step on the fused model (what a GPU
-  serves by default).
+  serves by default); `engine_rows`: the same with `lean+rows`.
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
 (`build_ms`: Python, or the traced step's replay), queuing it (`dispatch_ms`: `mx.async_eval`,
 MLX's C++ dispatch and kernel launches), waiting for the token (`wait_ms`: the device behind the
@@ -83,6 +83,7 @@ VARIANTS = (
     "lean+mlx_qmv",
     "lean+rows",
     "engine_lean",
+    "engine_rows",
 )
 DEFAULT_MODELS = "synthetic:llama-1b-bf16,synthetic:llama-8b-bf16,synthetic:llama-8b-q4"
 
@@ -248,9 +249,13 @@ def run_variant(
     prompt = ids.astype(mx.uint32)
     if variant == "mlx_lm":
         return mlx_lm_decode(model, prompt, cell)
-    if variant in ("engine", "engine_fused", "engine_lean"):
+    if variant in ("engine", "engine_fused", "engine_lean", "engine_rows"):
         ids_tuple = tuple(int(i) for i in ids.tolist())
-        engine_step = {"engine": "compiled+fused", "engine_lean": "lean+fused"}
+        engine_step = {
+            "engine": "compiled+fused",
+            "engine_lean": "lean+fused",
+            "engine_rows": "lean+rows",
+        }
         decoder = decoders[engine_step[variant]] if variant in engine_step else None
         return engine_decode(fused, ids_tuple, cell, decoder, vocab)
     subject = model if variant in ("plain", "compiled", "lean") else fused

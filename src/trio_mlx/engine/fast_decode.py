@@ -36,7 +36,10 @@
   device in part; on MLX's CUDA backend its 4-bit products go through our kernel
   (`quantized_gemv`): the 8B 4-bit engine 1.47-1.55x raw mlx-lm, 1.02-1.15x with MLX's
   kernels). `lean_decode` None: on where MLX runs on a GPU, off on the CPU (where arithmetic sets
-  a step's time; the logits are the same there, as the tests check).
+  a step's time; the logits are the same there, as the tests check). With
+  `TRIO_MLX_ROW_KERNELS=on` (experimental, not yet measured on a GPU) its blocks' products take
+  in their norms, SwiGLU and residual adds (`row_product`: our kernels, CUDA only); a warm-up
+  step that fails with them falls back to the lean step without them.
 - quantized layers that multiply an input of many rows by their dequantized weight
   (`quantized_rows.route_rows`; `dequantize_from_rows` None: on MLX's CUDA backend only).
 
@@ -125,17 +128,32 @@ def prepare_lean_step(model: Any, enabled: bool | None) -> LeanStep | None:
     if reason is not None:
         log.info("lean decode step off: %s", reason)
         return None
-    lean = LeanStep(model)
+    row_kernels = os.environ.get("TRIO_MLX_ROW_KERNELS", "").lower() == "on"
     began = time.perf_counter()
-    try:  # the device compiles kernels on first use (ours by NVRTC): at load, not in a request
-        mx.eval(lean.step(mx.array([0], dtype=mx.uint32), make_prompt_cache(model), greedy=True))
-    except Exception:  # the lean step cannot run here: serve the model's own
-        log.exception("lean decode step off: its warm-up step failed")
+    lean = _warmed_up(model, row_kernels)
+    if lean is None and row_kernels:
+        lean = _warmed_up(model, False)
+    if lean is None:
         return None
     log.info(
-        "lone sequences decode through the lean one-token step (warmed up in %.2f s)",
+        "lone sequences decode through the lean one-token step (%d of %d blocks through our "
+        "row kernels; warmed up in %.2f s)",
+        lean.kernel_layers,
+        len(model.model.layers),
         time.perf_counter() - began,
     )
+    return lean
+
+
+def _warmed_up(model: Any, row_kernels: bool) -> LeanStep | None:
+    """The lean step, run once over a fresh cache (the device compiles kernels on first use, ours
+    by NVRTC: at load, not in a request), or None where that step fails (logged)."""
+    lean = LeanStep(model, row_kernels=row_kernels)
+    try:
+        mx.eval(lean.step(mx.array([0], dtype=mx.uint32), make_prompt_cache(model), greedy=True))
+    except Exception:  # the lean step cannot run here (with these kernels)
+        log.exception("lean decode step (row kernels %s) off: its warm-up step failed", row_kernels)
+        return None
     return lean
 
 
