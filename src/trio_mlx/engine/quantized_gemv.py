@@ -28,6 +28,13 @@ kernel takes one row (the lean step's lone row); more rows, or a row of another 
 scales', go through the module. Anything else (another bit width or mode, the CPU or Metal) is None:
 the caller keeps the module's own product.
 
+`quantized_rows_product(module)` is the same arithmetic for 2 to `MAX_ROWS` input rows in one
+pass over the weight (each lane expands its 32 weights of a column once and uses them for every
+row; the row count is read from the input's shape at run time, so one compile a weight shape),
+where MLX's CUDA backend runs `qmv` once a row below 8 rows (`quantized_rows` says more). The
+routed quantized layers (`quantized_rows`) use it for such inputs with `TRIO_MLX_FEW_ROWS=on`
+(off until measured on a GPU).
+
 Numerics: the products and sums are float32 throughout, then rounded once to the input's dtype.
 MLX's `qmv` accumulates 4-bit products in the input's dtype (bf16 for a bf16 model), so the two
 round differently; ours is the closer of the two to the float32 product of the dequantized
