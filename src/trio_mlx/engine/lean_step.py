@@ -83,23 +83,23 @@ def _projection(module: Any, quantized_kernel: bool) -> Projection:
     return _against(module.weight, module.bias if "bias" in module else None)
 
 
-def _head(model: Any, quantized_kernel: bool) -> Projection:
-    """The output head: `lm_head`, or the input embedding used as a linear layer (tied)."""
-    if not getattr(model.args, "tie_word_embeddings", False):
-        return _projection(model.lm_head, quantized_kernel)
-    embed = model.model.embed_tokens
-    if type(embed) is not Embedding:
-        if quantized_kernel and isinstance(embed, QuantizedEmbedding):
-            return quantized_gemv(embed) or embed.as_linear
-        return embed.as_linear  # type: ignore[no-any-return]
-    return _against(embed.weight)
-
-
 def _head_module(model: Any) -> Any:
     """The module whose weight is the output head's: `lm_head`, or the tied input embedding."""
     if getattr(model.args, "tie_word_embeddings", False):
         return model.model.embed_tokens
     return model.lm_head
+
+
+def _head(model: Any, quantized_kernel: bool) -> Projection:
+    """The output head: `lm_head`, or the input embedding used as a linear layer (tied)."""
+    embed = _head_module(model)
+    if embed is not model.model.embed_tokens:
+        return _projection(embed, quantized_kernel)
+    if type(embed) is not Embedding:
+        if quantized_kernel and isinstance(embed, QuantizedEmbedding):
+            return quantized_gemv(embed) or embed.as_linear
+        return embed.as_linear  # type: ignore[no-any-return]
+    return _against(embed.weight)
 
 
 class _Batch:

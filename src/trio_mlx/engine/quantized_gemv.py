@@ -48,7 +48,14 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["MAX_ROWS", "available", "quantized_gemv", "quantized_rows_product"]
+__all__ = [
+    "HEADER",
+    "MAX_ROWS",
+    "affine_four_bit",
+    "available",
+    "quantized_gemv",
+    "quantized_rows_product",
+]
 
 #: output columns per warp and warps per block: of (1, 8), (2, 4), (4, 4), (2, 8) on the H100,
 #: 2 x 8 was fastest or within 6 % of it on every 8B shape (4 columns a warp lost up to 2x on
@@ -56,7 +63,8 @@ __all__ = ["MAX_ROWS", "available", "quantized_gemv", "quantized_rows_product"]
 ROWS = 2
 WARPS = 8
 
-_HEADER = r"""
+#: `trio_nibble`, the 4-bit weight expansion both kernels here and `row_product`'s use
+HEADER = r"""
 __device__ __forceinline__ float trio_nibble(uint32_t word, int shift) {
   // 1 + q / 16 for the 4-bit value q at bits [shift, shift + 4): q moved into the mantissa's top
   // bits under the exponent of 1.0, exact, in two operations (shift, and-or)
@@ -218,8 +226,7 @@ _ROWS_SOURCE = r"""
   }
 """
 
-_kernel: Any = None
-_rows_kernel: Any = None
+_kernels: dict[str, Any] = {}
 
 
 def available() -> bool:
@@ -227,35 +234,21 @@ def available() -> bool:
     return bool(mx.cuda.is_available() and mx.default_device() == mx.gpu)
 
 
-def _compiled() -> Any:
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="trio_quantized_gemv4",
+def _compiled(name: str, source: str) -> Any:
+    """The kernel object of `source` (one per name; compiled per shape at its first call)."""
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=name,
             input_names=["x", "w", "scales", "biases"],
             output_names=["y"],
-            source=_SOURCE,
-            header=_HEADER,
+            source=source,
+            header=HEADER,
             ensure_row_contiguous=True,
         )
-    return _kernel
+    return _kernels[name]
 
 
-def _compiled_rows() -> Any:
-    global _rows_kernel
-    if _rows_kernel is None:
-        _rows_kernel = mx.fast.cuda_kernel(
-            name="trio_quantized_rows4",
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["y"],
-            source=_ROWS_SOURCE,
-            header=_HEADER,
-            ensure_row_contiguous=True,
-        )
-    return _rows_kernel
-
-
-def _weights(module: Any) -> tuple[Any, Any, Any] | None:
+def affine_four_bit(module: Any) -> tuple[Any, Any, Any] | None:
     """(weight, scales, biases) of an affine 4-bit layer the kernels take, else None."""
     if getattr(module, "mode", "affine") != "affine" or module.bits != 4:
         return None
@@ -275,7 +268,7 @@ def quantized_rows_product(module: Any) -> Callable[[Any], Any] | None:
     its own product. The rows must start 16-byte aligned (as `quantized_gemv`'s row)."""
     if not available():
         return None
-    arrays = _weights(module)
+    arrays = affine_four_bit(module)
     if arrays is None:
         return None
     weight, scales, biases = arrays
@@ -293,7 +286,7 @@ def quantized_rows_product(module: Any) -> Callable[[Any], Any] | None:
     grid = (32, columns // rows, 1)
     block = (32, WARPS, 1)
     bias = module.get("bias") if "bias" in module else None
-    kernel = _compiled_rows()
+    kernel = _compiled("trio_quantized_rows4", _ROWS_SOURCE)
 
     def product(x: Any) -> Any:
         if x.ndim != 2 or not 2 <= x.shape[0] <= MAX_ROWS or x.dtype != dtype:
@@ -320,7 +313,7 @@ def quantized_gemv(module: Any) -> Callable[[Any], Any] | None:
     into a larger buffer is not supported)."""
     if not available():
         return None
-    arrays = _weights(module)
+    arrays = affine_four_bit(module)
     if arrays is None:
         return None
     weight, scales, biases = arrays
@@ -328,7 +321,7 @@ def quantized_gemv(module: Any) -> Callable[[Any], Any] | None:
     columns, words = weight.shape
     width = words * 8
     rows = ROWS if columns % ROWS == 0 else 1
-    kernel = _compiled()
+    kernel = _compiled("trio_quantized_gemv4", _SOURCE)
     dtype = scales.dtype
     template = [("T", dtype), ("K", width), ("N", columns), ("GS", group), ("ROWS", rows)]
     grid = (32, columns // rows, 1)

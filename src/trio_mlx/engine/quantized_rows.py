@@ -62,7 +62,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.nn import QuantizedEmbedding, QuantizedLinear  # type: ignore[attr-defined]
 
-from trio_mlx.engine.quantized_gemv import MAX_ROWS, quantized_rows_product
+from trio_mlx.engine.quantized_gemv import quantized_rows_product
 
 __all__ = [
     "CUDA_DEQUANTIZE_FROM_ROWS",
@@ -87,20 +87,20 @@ CUDA_DEQUANTIZE_FROM_ROWS = 128
 #: The attribute holding a routed layer's threshold (a plain attribute, not a parameter).
 _THRESHOLD = "dequantize_from_rows"
 
-#: Whether 2 to `MAX_ROWS` rows take our kernel (`_few_rows`): `TRIO_MLX_FEW_ROWS=on` (off
-#: until measured on a GPU)
+#: Whether 2 to `quantized_gemv.MAX_ROWS` rows take our kernel (`_few_rows`):
+#: `TRIO_MLX_FEW_ROWS=on` (off until measured on a GPU)
 FEW_ROWS_KERNEL = os.environ.get("TRIO_MLX_FEW_ROWS", "").lower() == "on"
 
 #: The attribute holding a routed layer's few-rows kernel (`quantized_rows_product`), made at its
-#: first product of 2 to `MAX_ROWS` rows; False where the kernel does not apply.
+#: first product of 2 to `quantized_gemv.MAX_ROWS` rows; False where the kernel does not apply.
 _FEW_ROWS = "_few_rows_product"
 
 
 def _few_rows(layer: Any, x: Any) -> Any:
-    """`layer`'s product of `x` (2 to `MAX_ROWS` rows as one matrix) through our kernel that
-    reads the weight once for all rows, or None where it does not apply (not MLX's CUDA
-    backend, another quantization, another row count or dtype)."""
-    if not 2 <= x.shape[0] <= MAX_ROWS or not FEW_ROWS_KERNEL:
+    """`layer`'s product of `x` (rows as one matrix) through our kernel that reads the weight
+    once for all rows, or None where it does not apply (not MLX's CUDA backend, another
+    quantization, a row count outside 2 to `quantized_gemv.MAX_ROWS`, another dtype)."""
+    if not FEW_ROWS_KERNEL:
         return None
     product = layer.__dict__.get(_FEW_ROWS)
     if product is None:
@@ -110,8 +110,8 @@ def _few_rows(layer: Any, x: Any) -> Any:
 
 
 def _quantized(layer: Any, x: Any, own: Any) -> Any:
-    """`x` (any leading dims) times `layer`'s quantized weight as one matrix (`flat`): 2 to
-    `MAX_ROWS` rows through `_few_rows` where it applies, else `own` (MLX's kernel)."""
+    """`x` (any leading dims) times `layer`'s quantized weight as one matrix (`flat`): through
+    `_few_rows` where it applies, else `own` (MLX's kernel)."""
 
     def product(rows: Any) -> Any:
         y = _few_rows(layer, rows)

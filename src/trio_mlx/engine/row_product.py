@@ -45,7 +45,7 @@ from mlx.nn import (  # type: ignore[attr-defined]
 )
 from mlx_lm.models.activations import swiglu as model_swiglu
 
-from trio_mlx.engine.quantized_gemv import ROWS, WARPS, available
+from trio_mlx.engine.quantized_gemv import HEADER, ROWS, WARPS, affine_four_bit, available
 
 __all__ = ["RowProduct", "row_product"]
 
@@ -54,14 +54,6 @@ RowProduct = Callable[..., Any]
 #: the widest input row a block stages in shared memory (bytes): the static limit of 48 KiB,
 #: less room for the norm's partial sums
 SHARED_BYTES = 46 * 1024
-
-_HEADER = r"""
-__device__ __forceinline__ float trio_rp_nibble(uint32_t word, int shift) {
-  // 1 + q / 16 for the 4-bit value q at bits [shift, shift + 4), exact (quantized_gemv.py)
-  const uint32_t moved = shift <= 19 ? word << (19 - shift) : word >> (shift - 19);
-  return __uint_as_float(0x3F800000u | (moved & 0x00780000u));
-}
-"""
 
 # The input row, staged: every thread of the block takes every `threads`-th element.
 _STAGE_PLAIN = r"""
@@ -136,7 +128,7 @@ _DOT_Q4 = r"""
         for (int j = 0; j < 4; ++j) {
           #pragma unroll
           for (int t = 0; t < 8; ++t) {
-            dot = fmaf(trio_rp_nibble(words[j], 4 * t), xf[j * 8 + t], dot);
+            dot = fmaf(trio_nibble(words[j], 4 * t), xf[j * 8 + t], dot);
           }
         }
         const size_t at = (size_t)(first + r) * (K / GS) + group;
@@ -225,7 +217,7 @@ def _kernel(quantized: bool, stage: str, residual: bool, eps: float | None) -> A
             .replace("{dot}", (_DOT_Q4 if quantized else _DOT_DENSE).replace("{load_x}", _LOAD_X))
             .replace("{store}", _STORE_RESIDUAL if residual else _STORE)
         )
-        header = _HEADER + (f"constexpr float EPS = {float(eps)!r}f;\n" if eps is not None else "")
+        header = HEADER + (f"constexpr float EPS = {float(eps)!r}f;\n" if eps is not None else "")
         form = f"{'q4' if quantized else 'dense'}_{stage}{'_res' if residual else ''}"
         _kernels[key] = mx.fast.cuda_kernel(
             name=f"trio_row_product_{form}_{len(_kernels)}",
@@ -248,15 +240,11 @@ def _weights(module: Any) -> tuple[bool, list[Any], Any] | None:
         return False, [module.weight], product
     if not isinstance(module, (QuantizedLinear, QuantizedEmbedding)) or "bias" in module:
         return None
-    if getattr(module, "mode", "affine") != "affine" or module.bits != 4:
-        return None
-    biases = module.get("biases")
-    if module.group_size not in (32, 64, 128) or biases is None:
-        return None
-    if module.weight.dtype != mx.uint32 or module.scales.dtype not in (mx.bfloat16, mx.float16):
+    arrays = affine_four_bit(module)
+    if arrays is None:
         return None
     product = module.as_linear if isinstance(module, QuantizedEmbedding) else module
-    return True, [module.weight, module.scales, biases], product
+    return True, list(arrays), product
 
 
 def row_product(
