@@ -14,8 +14,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
+from kernel_checks import dequantized_copy, logit_errors, relative_errors
 from tiny_model import build_in_memory
 from trio_mlx.engine import quantized_gemv as qg
 from trio_mlx.engine.lean_step import LeanStep
@@ -77,9 +77,7 @@ def test_the_product_is_as_close_as_mlxs(
     exact = _exact(layer, x)
     ours, theirs = product(x), layer(x)
     assert ours.shape == theirs.shape == (1, columns) and ours.dtype == dtype
-    scale = mx.abs(exact).max().item()
-    ours_error = mx.abs(ours.astype(mx.float32) - exact).max().item() / scale
-    theirs_error = mx.abs(theirs.astype(mx.float32) - exact).max().item() / scale
+    ours_error, theirs_error = relative_errors(exact, ours, theirs)
     assert ours_error <= max(theirs_error, 1e-2)
 
 
@@ -92,19 +90,6 @@ def test_a_row_of_another_dtype_takes_the_layers_own_product() -> None:
     assert mx.array_equal(product(x), layer(x)).item()
 
 
-def _dequantized_copy(quantized: Any) -> Any:
-    """The same model in float32 with the quantized weights dequantized: the exact arithmetic
-    that both 4-bit kernels round."""
-    exact = build_in_memory("llama", tied=False)
-    weights = [
-        (f"{name}.weight", mx.dequantize(m.weight, m.scales, m.biases, group_size=64, bits=4))
-        for name, m in quantized.named_modules()
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    ]
-    exact.load_weights([(n, w.astype(mx.float32)) for n, w in weights], strict=False)
-    return exact
-
-
 @on_cuda
 def test_the_lean_step_through_it_is_as_close_to_the_exact_logits_as_the_models_own() -> None:
     """40 steps of a 4-bit bf16 model: the lean step (our kernel for every projection) and the
@@ -112,19 +97,10 @@ def test_the_lean_step_through_it_is_as_close_to_the_exact_logits_as_the_models_
     model = build_in_memory("llama", tied=False)
     nn.quantize(model, group_size=64, bits=4)
     model.set_dtype(mx.bfloat16)
-    exact = _dequantized_copy(model)
+    exact = dequantized_copy(model)
     lean = LeanStep(model)
     assert lean._layers[0].down is not model.model.layers[0].mlp.down_proj  # the kernel's
-    caches = [make_prompt_cache(m) for m in (exact, model, model)]
-    own_error = ours_error = 0.0
-    token = mx.array([7])
-    for _ in range(40):
-        reference = exact(token[None], cache=caches[0])[:, -1, :]
-        own = model(token[None], cache=caches[1])[:, -1, :].astype(mx.float32)
-        ours = lean.logits(token, caches[2]).astype(mx.float32)
-        own_error += mx.abs(own - reference).mean().item()
-        ours_error += mx.abs(ours - reference).mean().item()
-        token = mx.argmax(reference, axis=-1)
+    own_error, ours_error = logit_errors(exact, model, lean)
     assert ours_error <= 1.2 * own_error
 
 
@@ -152,9 +128,7 @@ def test_a_few_rows_are_as_close_as_mlxs(
     exact = _exact(layer, x)
     ours, theirs = product(x), layer(x)
     assert ours is not None and ours.shape == theirs.shape == (rows, columns)
-    scale = mx.abs(exact).max().item()
-    ours_error = mx.abs(ours.astype(mx.float32) - exact).max().item() / scale
-    theirs_error = mx.abs(theirs.astype(mx.float32) - exact).max().item() / scale
+    ours_error, theirs_error = relative_errors(exact, ours, theirs)
     assert ours_error <= max(theirs_error, 1e-2)
 
 

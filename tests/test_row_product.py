@@ -15,8 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import make_prompt_cache
 
+from kernel_checks import dequantized_copy, logit_errors, relative_errors
 from tiny_model import build_in_memory
 from trio_mlx.engine.fused import fuse_projections
 from trio_mlx.engine.lean_step import LeanStep
@@ -105,9 +105,7 @@ def test_each_form_is_as_close_as_the_models_own_nodes(
         exact = exact + r.astype(mx.float32)
     ours = product(x, r)
     assert ours.shape == own.shape == (1, columns) and ours.dtype == dtype
-    scale = mx.abs(exact).max().item()
-    ours_error = mx.abs(ours.astype(mx.float32) - exact).max().item() / scale
-    own_error = mx.abs(own.astype(mx.float32) - exact).max().item() / scale
+    ours_error, own_error = relative_errors(exact, ours, own)
     # the norm's sum of squares, summed in another order, may round an input element apart
     margin = 2e-2 if norm is not None else 1e-2
     assert ours_error <= max(own_error, margin)
@@ -130,28 +128,13 @@ def test_a_row_the_kernel_does_not_take_goes_through_the_models_modules() -> Non
 def test_the_lean_step_through_them_keeps_the_models_logits(quantized: bool, tied: bool) -> None:
     """40 steps: the lean step with every block and the head through the kernels, and the model's
     own step, each against the model in float32 (4-bit weights dequantized)."""
-    exact = build_in_memory("llama", tied=tied)
     model = build_in_memory("llama", tied=tied)
     if quantized:
         nn.quantize(model, group_size=64, bits=4)
-        weights = [
-            (f"{name}.weight", mx.dequantize(m.weight, m.scales, m.biases, group_size=64, bits=4))
-            for name, m in model.named_modules()
-            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-        ]
-        exact.load_weights([(n, w.astype(mx.float32)) for n, w in weights], strict=False)
+    exact = dequantized_copy(model, tied=tied) if quantized else build_in_memory("llama", tied=tied)
     model.set_dtype(mx.bfloat16)
     fuse_projections(model)
     lean = LeanStep(model, row_kernels=True)
     assert lean.kernel_layers == len(model.model.layers)
-    caches = [make_prompt_cache(m) for m in (exact, model, model)]
-    own_error = ours_error = 0.0
-    token = mx.array([7])
-    for _ in range(40):
-        reference = exact(token[None], cache=caches[0])[:, -1, :]
-        own = model(token[None], cache=caches[1])[:, -1, :].astype(mx.float32)
-        ours = lean.logits(token, caches[2]).astype(mx.float32)
-        own_error += mx.abs(own - reference).mean().item()
-        ours_error += mx.abs(ours - reference).mean().item()
-        token = mx.argmax(reference, axis=-1)
+    own_error, ours_error = logit_errors(exact, model, lean)
     assert ours_error <= 1.2 * own_error
