@@ -28,8 +28,13 @@ queuing step k+1 before reading token k (as the engine does):
   unquantized model);
 - `lean+rows`: `lean+fused` with each block's products, its norms, SwiGLU and residual adds as
   four kernels of our own (`engine/row_product.py`; MLX's CUDA backend only, else `lean+fused`);
-- `engine_lean`: `decode.ActiveSequence` with the lean step on the fused model (what a GPU
-  serves by default); `engine_rows`: the same with `lean+rows`.
+- `engine_lean`: `decode.ActiveSequence` with the lean step on the fused model (what the
+  serialized route serves on a GPU); `engine_rows`: the same with `lean+rows`; `engine_bias`: the
+  same with the EOS ids' logit bias of `bench.compare`'s requests (the logits read out of the
+  step, biased, then the argmax);
+- `engine_batch`: the batched route's lone row (`batch.BatchDecoder`, what a GPU serves by
+  default: one request alone, on its own cache, through the lean step), with that logit bias,
+  stepped as the runner steps it.
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
 (`build_ms`: Python, or the traced step's replay), queuing it (`dispatch_ms`: `mx.async_eval`,
 MLX's C++ dispatch and kernel launches), waiting for the token (`wait_ms`: the device behind the
@@ -63,6 +68,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from trio_mlx.engine.batch import BatchDecoder
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
 from trio_mlx.engine.fused import fuse_projections
@@ -84,6 +90,8 @@ VARIANTS = (
     "lean+rows",
     "engine_lean",
     "engine_rows",
+    "engine_bias",
+    "engine_batch",
 )
 DEFAULT_MODELS = "synthetic:llama-1b-bf16,synthetic:llama-8b-bf16,synthetic:llama-8b-q4"
 
@@ -217,14 +225,22 @@ def mlx_lm_decode(model: Any, prompt: Any, cell: Cell) -> tuple[float, float]:
     return time.perf_counter() - t0, time.thread_time() - cpu0
 
 
+def engine_params(n: int, biased: bool, vocab: int) -> SamplingParams:
+    """Greedy, `n` tokens; with `biased`, the logit bias `bench.compare` sends to ban EOS (here
+    two ids of the vocabulary's top: a synthetic model has no EOS of its own)."""
+    bias = tuple((vocab - 1 - i, -100.0) for i in range(2)) if biased else ()
+    return SamplingParams(max_tokens=n, temperature=0.0, logit_bias=bias)
+
+
 def engine_decode(
     model: Any,
     prompt: tuple[int, ...],
     cell: Cell,
     decoder: CompiledDecode | LeanStep | None,
     vocab: int,
+    biased: bool = False,
 ) -> tuple[float, float]:
-    job = GenerationJob(1, prompt, SamplingParams(max_tokens=cell.n, temperature=0.0))
+    job = GenerationJob(1, prompt, engine_params(cell.n, biased, vocab))
     seq = ActiveSequence(
         job, model, frozenset(), PrefillPlan(2048, tail=1), vocab_size=vocab, compiled=decoder
     )
@@ -235,6 +251,36 @@ def engine_decode(
     while not seq.finished and time.perf_counter() <= cell.deadline:
         cell.tokens += seq.step().tokens
     return time.perf_counter() - t0, time.thread_time() - cpu0
+
+
+def batch_decode(
+    model: Any, prompt: tuple[int, ...], cell: Cell, lean: LeanStep, vocab: int
+) -> tuple[float, float]:
+    """The batched route's lone row: admitted, prefilled and joined as the runner does it, then
+    `decode()` a step (the next step queued before the last is read, on a GPU)."""
+    batch = BatchDecoder(model, frozenset(), vocab_size=vocab, plan=PrefillPlan(2048), lean=lean)
+    batch.add(GenerationJob(1, prompt, engine_params(cell.n, True, vocab)), None, 0)
+    while batch.waiting:
+        batch.prefill(4096, 60.0)
+        batch.join()
+
+    def step() -> None:
+        for result in batch.decode():
+            if result.error is not None:
+                raise RuntimeError(result.error)
+            cell.tokens += result.tokens
+
+    while not cell.tokens and batch.busy:
+        step()
+    cell.decoding()
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    while batch.busy and len(cell.tokens) < cell.n and time.perf_counter() <= cell.deadline:
+        step()
+    elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    batch.remove(1)
+    while batch.busy:  # the row leaves at the next step, its cache with it
+        batch.decode()
+    return elapsed, cpu
 
 
 def run_variant(
@@ -249,15 +295,20 @@ def run_variant(
     prompt = ids.astype(mx.uint32)
     if variant == "mlx_lm":
         return mlx_lm_decode(model, prompt, cell)
-    if variant in ("engine", "engine_fused", "engine_lean", "engine_rows"):
+    if variant == "engine_batch":
+        lean = decoders["lean+fused"]
+        assert isinstance(lean, LeanStep)
+        return batch_decode(fused, tuple(int(i) for i in ids.tolist()), cell, lean, vocab)
+    if variant in ("engine", "engine_fused", "engine_lean", "engine_rows", "engine_bias"):
         ids_tuple = tuple(int(i) for i in ids.tolist())
         engine_step = {
             "engine": "compiled+fused",
             "engine_lean": "lean+fused",
             "engine_rows": "lean+rows",
+            "engine_bias": "lean+fused",
         }
         decoder = decoders[engine_step[variant]] if variant in engine_step else None
-        return engine_decode(fused, ids_tuple, cell, decoder, vocab)
+        return engine_decode(fused, ids_tuple, cell, decoder, vocab, variant == "engine_bias")
     subject = model if variant in ("plain", "compiled", "lean") else fused
     decoder = decoders.get(variant)
     step = plain_step(subject) if decoder is None else compiled_step(decoder)
