@@ -7,7 +7,9 @@ The loop, top to bottom, once per step while anything is live:
    sequence out (a waiting one at once, between two of its chunks; a row leaves the batch at the
    next step);
 2. one decode step over every row of the batch (`BatchDecoder.decode`): its tokens and finishes
-   go to Trio at once, then the finished sequences' snapshots are taken. With
+   go to Trio at once (where `BatchDecoder.dispatch_order` defers, the next step, built, is
+   queued on the device only then: `dispatch_order` says why), then the finished sequences'
+   snapshots are taken. With
    `BatchDecoder.mixing`, waiting prompts' next chunks ride in the step's forward pass
    (`mixed_step`, sized by `PrefillPacer.mixed_tokens`), and step 4 takes those chunks' results
    instead of running chunks of their own. With a draft model, a
@@ -169,6 +171,7 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
             counters.grouped_attention_steps = batch.grouped_attention_steps
             counters.segmented_steps = batch.segmented_steps
             counters.traced_steps = batch.traced_steps
+            counters.deferred_dispatches = batch.dispatch_order.deferred
             if rows and not solo:
                 mixed_before = _observe_step(
                     pacer, time.perf_counter() - began, mixed, mixed_before, batch.pipelined
@@ -176,7 +179,8 @@ def serve_batched(runner: Runner, loaded: LoadedModel) -> None:
                 counters.decode_steps += 1
                 counters.batch_sizes[rows] = counters.batch_sizes.get(rows, 0) + 1
             counters.live = batch.live + len(lane)  # before the finishes reach Trio
-            runner._emit(events, stores)
+            # the next step, if built only, queued once its predecessor's tokens are handed over
+            runner._emit(events, stores, after_tokens=batch.dispatch_pending)
             events, stores = [], []
             decode_seconds = time.perf_counter() - began
         if lane:

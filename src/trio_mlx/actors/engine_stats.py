@@ -116,6 +116,7 @@ def engine_stats(
             "grouped_attention_steps": counters.grouped_attention_steps,
             "segmented_steps": counters.segmented_steps,
             "traced_steps": counters.traced_steps,
+            "deferred_dispatches": counters.deferred_dispatches,
             "deferred_joins": counters.deferred_joins,
             "mixed_chunks": counters.mixed_chunks,
             "arriving": runner.arriving,

@@ -403,21 +403,30 @@ class Runner:
         self,
         events: list[SequenceEvent],
         stores: list[tuple[Any, CacheKind, int | None]],
+        after_tokens: Callable[[], None] | None = None,
     ) -> None:
         """Hand a step's events to Trio and take its snapshots. Tokens first: a snapshot must
-        not delay them. Finishes after the snapshots: a finished request's entries are in the
-        book when it ends."""
+        not delay them; then `after_tokens` (the next step queued on the device:
+        `BatchDecoder.dispatch_pending`). Finishes after the snapshots: a finished request's
+        entries are in the book when it ends."""
         assert self._token is not None
         deliver = self._token.run_sync_soon
-        if stores:
-            tokens_only = tuple(e for e in events if e.finish is None)
-            if tokens_only:
-                deliver(self._deliver, tokens_only)
-            for seq, kind, length in stores:
-                self._snapshots.store(seq, kind, length)
-            events = [e for e in events if e.finish is not None]
-        if events:
-            deliver(self._deliver, tuple(events))
+        if not stores:
+            if events:
+                deliver(self._deliver, tuple(events))
+            if after_tokens is not None:
+                after_tokens()
+            return
+        tokens_only = tuple(e for e in events if e.finish is None)
+        if tokens_only:
+            deliver(self._deliver, tokens_only)
+        if after_tokens is not None:
+            after_tokens()
+        for seq, kind, length in stores:
+            self._snapshots.store(seq, kind, length)
+        finishes = tuple(e for e in events if e.finish is not None)
+        if finishes:
+            deliver(self._deliver, finishes)
 
     def _multimodal_sequence(
         self, job: MultimodalJob, loaded: LoadedModel, vocab_size: int

@@ -116,6 +116,9 @@ class RunnerCounters:
     segmented_steps: int = 0
     #: decode steps through the traced batch step (batched route: `traced_batch_rows`)
     traced_steps: int = 0
+    #: decode steps queued on the device only once the tokens read before them were handed
+    #: over (batched route: `dispatch_order`)
+    deferred_dispatches: int = 0
     #: joins of prompts of several chunks put off by a step (batched route: `BatchDecoder.join`)
     deferred_joins: int = 0
     #: prefill chunks that rode in a decode step's pass (batched route: `mixed_step`)

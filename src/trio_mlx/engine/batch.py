@@ -66,7 +66,9 @@ the only requests it can be attributed to, and the batch starts again empty.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -99,6 +101,7 @@ from trio_mlx.engine.batch_step import (
 from trio_mlx.engine.compiled_step import COMPILABLE_MODULES, CompiledDecode
 from trio_mlx.engine.decode import GenerationJob, PrefillPlan
 from trio_mlx.engine.decode_attention import install_dispatcher
+from trio_mlx.engine.dispatch_order import DispatchOrder
 from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.engine.padded_attention import padded_attention_default
 from trio_mlx.engine.prefill_shapes import padded_prefill_default
@@ -190,6 +193,9 @@ class BatchDecoder:
         self.solo = False
         self._inputs: Any = None
         self._queued: QueuedStep | None = None
+        #: whether a step built is queued at once or after the tokens read before it are
+        #: handed over (`dispatch_order`; pipelined only)
+        self.dispatch_order = DispatchOrder() if self.pipelined else DispatchOrder("off")
         self._choice = BatchChoice(vocab_size)
         self.steps = 0
         #: of the sequences the last `join` let in, how many took their last prompt token as
@@ -321,7 +327,10 @@ class BatchDecoder:
         """One step: drop removed rows, queue the next forward pass, read the previous one; not
         `pipelined`, read the step just queued as well (module docstring). `mix`: where the
         batch is `mixing`, waiting sequences' next chunks of `mix` tokens in all ride in the
-        pass (`_mixed_pass`); their results are then taken by `take_mixed`."""
+        pass (`_mixed_pass`); their results are then taken by `take_mixed`. Where
+        `dispatch_order` defers, the pass is built but queued only by `dispatch_pending`, which
+        the caller runs once it has handed the results over (else the next call does)."""
+        self.dispatch_pending()
         self._drop_removed()
         try:
             queued = self._queue_step(mix) if self.rows else None
@@ -335,6 +344,13 @@ class BatchDecoder:
         except Exception as exc:
             return self._fail_batch(exc)
         return results
+
+    def dispatch_pending(self) -> None:
+        """Queue on the device the step `decode` built without queuing (`dispatch_order`)."""
+        if self._queued is not None and not self._queued.dispatched:
+            # what queuing it raises, its read raises again (evaluating it), failing the batch
+            with contextlib.suppress(Exception):
+                self._queued.dispatch()
 
     def _queue_step(self, mix: int = 0) -> QueuedStep:
         """Queue the next step's forward pass and its choice of tokens (`batch_step`), with
@@ -375,7 +391,9 @@ class BatchDecoder:
         # a step after a clear allocates every buffer anew: on an H100's 8B, 16 rows, the steps
         # at each 256th took 48-80 ms against 9-15 (`bench.long_arrival --trace-chunks`).
         self.steps += 1
-        queued = queue_tokens(rows, logits, self._choice, spent)
+        queued = queue_tokens(
+            rows, logits, self._choice, spent, dispatch=not self.dispatch_order.defer()
+        )
         if queued.tokens is not None:
             self._inputs = queued.tokens
         return queued
@@ -423,6 +441,10 @@ class BatchDecoder:
     def _read(self, queued: QueuedStep, *, fed: bool = True) -> list[RowResult]:
         """The tokens of a queued step (`batch_step.read_step`); `fed`: the step after it is
         queued already (so they are in the cache), else each row's token is its `pending` input."""
+        if self.dispatch_order.watches and queued.tokens is not None and queued.dispatched:
+            began = time.perf_counter()
+            mx.eval(queued.tokens)  # (read_step's own eval then finds it done)
+            self.dispatch_order.observe(time.perf_counter() - began)
         return read_step(
             queued, eos=self._eos, choice=self._choice, finish_row=self._finish_row, fed=fed
         )
@@ -555,6 +577,7 @@ class BatchDecoder:
         its first token from its prompt's last pass, once the rest fits its tail: after its
         chunk, if that brought it there (`lone_media`, `batch_lone_media`); that pass's result
         carries the token."""
+        self.dispatch_pending()  # the decode step first: its rows wait on it
         lone = None
         if self.lone_media and len(self.waiting) == 1:
             seq = self.waiting[0]

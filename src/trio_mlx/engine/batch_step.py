@@ -58,7 +58,7 @@ class QueuedStep:
     rows wait for their masks, `tokens` is None and `pieces` holds every other row's token
     (None for the constrained ones), `logits` the step's logits (`batch_constrained`)."""
 
-    __slots__ = ("logits", "logprobs", "pieces", "rows", "tokens")
+    __slots__ = ("dispatched", "logits", "logprobs", "pieces", "rows", "tokens")
 
     def __init__(
         self,
@@ -68,12 +68,22 @@ class QueuedStep:
         *,
         logits: Any = None,
         pieces: list[Any] | None = None,
+        dispatched: bool = True,
     ) -> None:
         self.rows = rows
         self.tokens = tokens
         self.logprobs = logprobs
         self.logits = logits
         self.pieces = pieces
+        #: whether its arrays are queued on the device (`dispatch`); False: built only
+        #: (`queue_tokens`' `dispatch`, `dispatch_order`)
+        self.dispatched = dispatched
+
+    def dispatch(self) -> None:
+        """Queue the step's tokens and log-probabilities on the device, if not yet."""
+        if not self.dispatched:
+            mx.async_eval(self.tokens, *(a for p in self.logprobs.values() for a in p.arrays()))
+            self.dispatched = True
 
 
 def pipelining_pays() -> bool:
@@ -146,20 +156,29 @@ def forward(
 
 
 def queue_tokens(
-    rows: list[BatchSequence], logits: Any, choice: BatchChoice, spent: frozenset[int]
+    rows: list[BatchSequence],
+    logits: Any,
+    choice: BatchChoice,
+    spent: frozenset[int],
+    *,
+    dispatch: bool = True,
 ) -> QueuedStep:
     """Choose every row's token from the step's `logits` and queue them on the device. With a
     constrained row among `rows`, only the other rows' tokens (`QueuedStep.pieces`): the
     constrained ones wait for their masks (`batch_constrained.choose_constrained`); else the
-    step's `tokens`, the next step's inputs."""
+    step's `tokens`, the next step's inputs, queued only with `dispatch` (else built, for
+    `QueuedStep.dispatch` to queue: `dispatch_order`). A step with constrained rows is queued
+    at once whatever `dispatch` says (their masks are computed while it runs)."""
     if any(seq.grammar is not None for seq in rows):
         pieces, logprobs = choice.pieces(rows, logits, skip_constrained=True, spent=spent)
         ready = [p for p in pieces if p is not None]
         mx.async_eval(logits, *ready, *(a for p in logprobs.values() for a in p.arrays()))
         return QueuedStep(rows, None, logprobs, logits=logits, pieces=pieces)
     tokens, logprobs = choice.tokens(rows, logits, spent)
-    mx.async_eval(tokens, *(a for p in logprobs.values() for a in p.arrays()))
-    return QueuedStep(rows, tokens, logprobs)
+    queued = QueuedStep(rows, tokens, logprobs, dispatched=False)
+    if dispatch:
+        queued.dispatch()
+    return queued
 
 
 def read_step(
