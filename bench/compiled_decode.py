@@ -34,7 +34,9 @@ queuing step k+1 before reading token k (as the engine does):
   step, biased, then the argmax);
 - `engine_batch`: the batched route's lone row (`batch.BatchDecoder`, what a GPU serves by
   default: one request alone, on its own cache, through the lean step), with that logit bias,
-  stepped as the runner steps it.
+  stepped as the runner steps it; `engine_defer`: the same with `TRIO_MLX_DEFER_DISPATCH=auto`'s
+  order (`engine/dispatch_order.py`: each step queued after the previous one's tokens are read;
+  here nothing else runs, so this is what the order costs where it gains nothing).
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
 (`build_ms`: Python, or the traced step's replay), queuing it (`dispatch_ms`: `mx.async_eval`,
 MLX's C++ dispatch and kernel launches), waiting for the token (`wait_ms`: the device behind the
@@ -71,6 +73,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from trio_mlx.engine.batch import BatchDecoder
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import ActiveSequence, GenerationJob, PrefillPlan
+from trio_mlx.engine.dispatch_order import DispatchOrder
 from trio_mlx.engine.fused import fuse_projections
 from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.types import SamplingParams
@@ -92,6 +95,7 @@ VARIANTS = (
     "engine_rows",
     "engine_bias",
     "engine_batch",
+    "engine_defer",
 )
 DEFAULT_MODELS = "synthetic:llama-1b-bf16,synthetic:llama-8b-bf16,synthetic:llama-8b-q4"
 
@@ -254,11 +258,13 @@ def engine_decode(
 
 
 def batch_decode(
-    model: Any, prompt: tuple[int, ...], cell: Cell, lean: LeanStep, vocab: int
+    model: Any, prompt: tuple[int, ...], cell: Cell, lean: LeanStep, vocab: int, order: str
 ) -> tuple[float, float]:
     """The batched route's lone row: admitted, prefilled and joined as the runner does it, then
-    `decode()` a step (the next step queued before the last is read, on a GPU)."""
+    `decode()` a step (the next step queued before the last is read, on a GPU), each step's
+    dispatch in `order` (`dispatch_order`)."""
     batch = BatchDecoder(model, frozenset(), vocab_size=vocab, plan=PrefillPlan(2048), lean=lean)
+    batch.dispatch_order = DispatchOrder(order if batch.pipelined else "off")
     batch.add(GenerationJob(1, prompt, engine_params(cell.n, True, vocab)), None, 0)
     while batch.waiting:
         batch.prefill(4096, 60.0)
@@ -295,10 +301,11 @@ def run_variant(
     prompt = ids.astype(mx.uint32)
     if variant == "mlx_lm":
         return mlx_lm_decode(model, prompt, cell)
-    if variant == "engine_batch":
+    if variant in ("engine_batch", "engine_defer"):
         lean = decoders["lean+fused"]
         assert isinstance(lean, LeanStep)
-        return batch_decode(fused, tuple(int(i) for i in ids.tolist()), cell, lean, vocab)
+        order = "auto" if variant == "engine_defer" else "off"
+        return batch_decode(fused, tuple(int(i) for i in ids.tolist()), cell, lean, vocab, order)
     if variant in ("engine", "engine_fused", "engine_lean", "engine_rows", "engine_bias"):
         ids_tuple = tuple(int(i) for i in ids.tolist())
         engine_step = {
