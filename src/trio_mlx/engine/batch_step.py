@@ -7,11 +7,13 @@ aborted, failed) leave the batch (`batch_leave`); the next step's forward pass i
 device (`feed`, `forward`, `queue_tokens`: `mx.async_eval`); then the previous step's tokens are
 read (`read_step`) and returned. So the device computes step k while the host reads step k - 1 and
 builds step k + 1 (the pipelining of mlx-lm's `GenerationBatch`); a finished row costs one wasted
-row in the step already queued (`spent_rows`). Where that does not pay (`pipelining_pays` False:
-MLX's CPU backend, whose `async_eval` computes most of a step before it returns, so a step queued
-before the last one is read delays every token by a step and computes a wasted step for every
-finish), each step is read as soon as it is queued, its tokens the rows' `pending` inputs of the
-next.
+row in the step already queued (`spent_rows`). Where `dispatch_order` defers, the step is built
+but queued only after the previous step's tokens are read and handed over
+(`QueuedStep.dispatch`, `BatchDecoder.dispatch_pending`). Where pipelining does not pay
+(`pipelining_pays` False: MLX's CPU backend, whose `async_eval` computes most of a step before it
+returns, so a step queued before the last one is read delays every token by a step and computes a
+wasted step for every finish), each step is read as soon as it is queued, its tokens the rows'
+`pending` inputs of the next.
 
 Token accounting: at every call boundary a row's cache holds `fed_tokens()`: the prompt tokens
 processed and the generated tokens read so far (each token read has already been fed to the step
