@@ -301,13 +301,13 @@ def run_variant(
     prompt = ids.astype(mx.uint32)
     if variant == "mlx_lm":
         return mlx_lm_decode(model, prompt, cell)
+    ids_tuple = tuple(int(i) for i in ids.tolist())
     if variant in ("engine_batch", "engine_defer"):
         lean = decoders["lean+fused"]
         assert isinstance(lean, LeanStep)
         order = "auto" if variant == "engine_defer" else "off"
-        return batch_decode(fused, tuple(int(i) for i in ids.tolist()), cell, lean, vocab, order)
+        return batch_decode(fused, ids_tuple, cell, lean, vocab, order)
     if variant in ("engine", "engine_fused", "engine_lean", "engine_rows", "engine_bias"):
-        ids_tuple = tuple(int(i) for i in ids.tolist())
         engine_step = {
             "engine": "compiled+fused",
             "engine_lean": "lean+fused",

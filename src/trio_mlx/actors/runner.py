@@ -411,20 +411,15 @@ class Runner:
         entries are in the book when it ends."""
         assert self._token is not None
         deliver = self._token.run_sync_soon
-        if not stores:
-            if events:
-                deliver(self._deliver, tuple(events))
-            if after_tokens is not None:
-                after_tokens()
-            return
-        tokens_only = tuple(e for e in events if e.finish is None)
-        if tokens_only:
-            deliver(self._deliver, tokens_only)
+        # with no snapshot to take, the finishes go with the tokens
+        first = tuple(e for e in events if e.finish is None) if stores else tuple(events)
+        if first:
+            deliver(self._deliver, first)
         if after_tokens is not None:
             after_tokens()
         for seq, kind, length in stores:
             self._snapshots.store(seq, kind, length)
-        finishes = tuple(e for e in events if e.finish is not None)
+        finishes = tuple(e for e in events if e.finish is not None) if stores else ()
         if finishes:
             deliver(self._deliver, finishes)
 
