@@ -56,6 +56,7 @@ def test_the_kernels_apply_only_on_a_cuda_gpu() -> None:
         available()
     )
     model = build_in_memory("llama", tied=False)
+    model.set_dtype(mx.bfloat16)  # the kernels take bf16/fp16 or 4-bit weights, never float32
     fuse_projections(model)
     lean = LeanStep(model, row_kernels=True)
     assert lean.kernel_layers == (len(model.model.layers) if available() else 0)

@@ -19,13 +19,17 @@ dispatch without the GIL, 0-370 µs of Trio work a token, switch interval 0.5 ms
 a token in the old order against the new. On MLX's CPU backend, pipelined by force (the tiny
 model, a lone row), `on` decoded at 244 tok/s against 296 for `off`: there `mx.async_eval`
 computes the step, so the device is the bottleneck (and the CPU does not pipeline by default).
+On an H100 (1B bf16, 2026-12-07, docs/benchmarks "Experimental switches on a GPU"): through the
+server `auto` streamed 4% more tokens a second at 1 and 8 streams, with a longer ITL p99 (5.6
+against 4.6 ms at one stream) and a TTFT p50 at 8 streams of 244 against 104 ms; the bare lone
+row lost 6-9% (no Trio work to overlap). So it stays off.
 
 What: `DispatchOrder.defer()` says whether the step just built waits to be queued until the
 loop has handed over the tokens just read (`BatchDecoder.dispatch_pending`); `observe(wait)`
 takes how long each read waited for the device. `TRIO_MLX_DEFER_DISPATCH`:
 - `auto`: defer while the reads find their tokens ready (the device ahead of the host: a moving
   average of the reads' waits under `READY_SECONDS`);
-- `on`: always; `off` (the default, until measured on a GPU): never.
+- `on`: always; `off` (the default: no clear win on an H100, above): never.
 Only where steps are pipelined (`batch_step.pipelining_pays`); a step with constrained rows is
 queued at once (its masks are computed while it runs).
 """

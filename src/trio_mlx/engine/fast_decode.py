@@ -37,7 +37,8 @@
   (`quantized_gemv`): the 8B 4-bit engine 1.47-1.55x raw mlx-lm, 1.02-1.15x with MLX's
   kernels). `lean_decode` None: on where MLX runs on a GPU, off on the CPU (where arithmetic sets
   a step's time; the logits are the same there, as the tests check). With
-  `TRIO_MLX_ROW_KERNELS=on` (experimental, not yet measured on a GPU) its blocks' products take
+  `TRIO_MLX_ROW_KERNELS=on` (experimental: on an H100 the 1B bf16 gained 4% after a short
+  prompt and lost 17% after a long one, so off by default) its blocks' products take
   in their norms, SwiGLU and residual adds (`row_product`: our kernels, CUDA only); a warm-up
   step that fails with them falls back to the lean step without them.
 - quantized layers that multiply an input of many rows by their dequantized weight

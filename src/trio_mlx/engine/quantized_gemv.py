@@ -32,8 +32,8 @@ the caller keeps the module's own product.
 pass over the weight (each lane expands its 32 weights of a column once and uses them for every
 row; the row count is read from the input's shape at run time, so one compile a weight shape),
 where MLX's CUDA backend runs `qmv` once a row below 8 rows (`quantized_rows` says more). The
-routed quantized layers (`quantized_rows`) use it for such inputs with `TRIO_MLX_FEW_ROWS=on`
-(off until measured on a GPU).
+routed quantized layers (`quantized_rows`) use it for such inputs unless `TRIO_MLX_FEW_ROWS=off`
+(H100, synthetic 8B 4-bit: a step of 4 rows 15.9 ms against MLX's 22.0 ms).
 
 Numerics: the products and sums are float32 throughout, then rounded once to the input's dtype.
 MLX's `qmv` accumulates 4-bit products in the input's dtype (bf16 for a bf16 model), so the two
