@@ -1,13 +1,16 @@
 """`kernel_warmup.warm_quantized_kernels`: one product per row tile through one quantized layer of
 each kind (dtype, bits, group size, mode), none past a layer's dequantization threshold; nothing
-where the kernels are compiled ahead of time (here, the CPU) unless forced."""
+where the kernels are compiled ahead of time (here, the CPU) unless forced. `warm_few_rows_kernels`
+runs nothing where our few-rows kernel does not apply (here, the CPU; its GPU test is in
+tests/test_quantized_gemv.py)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from trio_mlx.engine.kernel_warmup import TILE_ROWS, warm_quantized_kernels
+from trio_mlx.engine.kernel_warmup import TILE_ROWS, warm_few_rows_kernels, warm_quantized_kernels
+from trio_mlx.engine.quantized_gemv import available
 from trio_mlx.engine.quantized_rows import route_rows
 
 
@@ -50,3 +53,16 @@ def test_a_product_mlx_refuses_is_skipped_not_fatal() -> None:
     model = quantized()
     model.b.__class__ = Refused  # the 8-bit kind cannot run: the 4-bit one still warms up
     assert warm_quantized_kernels(model, force=True) == len(TILE_ROWS)
+
+
+def test_no_few_rows_product_where_our_kernel_does_not_apply() -> None:
+    """Off MLX's CUDA backend (this CPU) the routed layers keep MLX's products: nothing to warm.
+    On it, neither float32 scales (the 4-bit kind here) nor 8 bits take our kernel."""
+    model = quantized()
+    route_rows(model, 32)
+    assert warm_few_rows_kernels(model) == 0
+    bf16 = quantized()
+    bf16.set_dtype(mx.bfloat16)  # bf16 scales: the 4-bit kind takes it, where MLX runs on CUDA
+    route_rows(bf16, 32)
+    assert warm_few_rows_kernels(bf16) == (1 if available() else 0)
+    assert warm_few_rows_kernels(nn.Linear(8, 8)) == 0  # nothing quantized, nothing routed

@@ -162,3 +162,33 @@ def test_a_routed_layer_takes_a_few_rows_through_the_kernel(
     wide = mx.random.normal((12, 1, 512)).astype(mx.bfloat16)
     own = nn.QuantizedLinear.__call__(layer, wide.reshape(12, 512)).reshape(12, 1, 256)
     assert mx.array_equal(layer(wide), own).item()
+
+
+@on_cuda
+def test_the_few_rows_kernels_compile_at_load_once_a_weight_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kernel_warmup.warm_few_rows_kernels` runs one product per distinct weight shape of the
+    routed 4-bit layers (three layers, two shapes: two products), none for an 8-bit layer, and
+    afterwards each layer's few rows still give the kernel's product."""
+    from trio_mlx.engine import quantized_rows
+    from trio_mlx.engine.kernel_warmup import warm_few_rows_kernels
+    from trio_mlx.engine.quantized_rows import route_rows
+
+    monkeypatch.setattr(quantized_rows, "FEW_ROWS_KERNEL", True)
+    eight = nn.QuantizedLinear.from_linear(nn.Linear(256, 256, bias=False), group_size=64, bits=8)
+    model = nn.Sequential(
+        _layer(512, 256, 64, mx.bfloat16),
+        _layer(512, 256, 64, mx.bfloat16),
+        _layer(256, 512, 64, mx.bfloat16),
+        eight,
+    )
+    route_rows(model, 128)
+    assert warm_few_rows_kernels(model) == 2
+    for layer in model.layers[:3]:
+        x = mx.random.normal((3, layer.weight.shape[1] * 8)).astype(mx.bfloat16)
+        product = qg.quantized_rows_product(layer)
+        assert product is not None
+        assert mx.array_equal(layer(x), product(x)).item()
+    monkeypatch.setattr(quantized_rows, "FEW_ROWS_KERNEL", False)  # TRIO_MLX_FEW_ROWS=off
+    assert warm_few_rows_kernels(model) == 0

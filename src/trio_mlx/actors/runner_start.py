@@ -38,7 +38,7 @@ from trio_mlx.engine.fast_decode import (
     prepare_fast_decode,
     prepare_lean_step,
 )
-from trio_mlx.engine.kernel_warmup import warm_quantized_kernels
+from trio_mlx.engine.kernel_warmup import warm_few_rows_kernels, warm_quantized_kernels
 from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.engine.loading import LoadedModel
 from trio_mlx.engine.model_probe import probe_cache
@@ -195,6 +195,7 @@ def prepare_serving(models: LoadedModels, options: StartOptions) -> ServingSetup
     for model in (loaded.model, getattr(draft, "model", None), models.scorer):
         if model is not None:  # CUDA compiles quantized products on first use: not in a request
             warm_quantized_kernels(model)
+            warm_few_rows_kernels(model)
     info = describe(loaded, options.max_kv_size)
     plan = PrefillPlan.choose(
         options.prefill_step_size,

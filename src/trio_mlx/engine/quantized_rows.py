@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -70,6 +71,7 @@ __all__ = [
     "RowRoutedLinear",
     "apply_threshold",
     "default_threshold",
+    "few_rows_product",
     "flat",
     "resolve_threshold",
     "route_rows",
@@ -98,17 +100,25 @@ FEW_ROWS_KERNEL = os.environ.get("TRIO_MLX_FEW_ROWS", "on").lower() != "off"
 _FEW_ROWS = "_few_rows_product"
 
 
-def _few_rows(layer: Any, x: Any) -> Any:
-    """`layer`'s product of `x` (rows as one matrix) through our kernel that reads the weight
-    once for all rows, or None where it does not apply (not MLX's CUDA backend, another
-    quantization, a row count outside 2 to `quantized_gemv.MAX_ROWS`, another dtype)."""
+def few_rows_product(layer: Any) -> Callable[[Any], Any] | None:
+    """`layer`'s product through our kernel that reads the weight once for all rows (made at the
+    first call, then kept on the layer), or None where it does not apply (`TRIO_MLX_FEW_ROWS=off`,
+    not MLX's CUDA backend, another quantization). The product itself returns None for a row
+    count outside 2 to `quantized_gemv.MAX_ROWS` or another dtype than the scales'."""
     if not FEW_ROWS_KERNEL:
         return None
     product = layer.__dict__.get(_FEW_ROWS)
     if product is None:
         product = quantized_rows_product(layer) or False
         object.__setattr__(layer, _FEW_ROWS, product)
-    return product(x) if product else None
+    return product or None
+
+
+def _few_rows(layer: Any, x: Any) -> Any:
+    """`layer`'s product of `x` (rows as one matrix) through `few_rows_product`, or None where
+    it does not apply."""
+    product = few_rows_product(layer)
+    return None if product is None else product(x)
 
 
 def _quantized(layer: Any, x: Any, own: Any) -> Any:
