@@ -98,6 +98,12 @@ class RequestResult:
             return None
         return (self.tokens - 1) / self.decode_s
 
+    def slowest_gaps(self, count: int = 3) -> list[tuple[int, float]]:
+        """The `count` longest gaps between chunks as (chunk index, ms), longest first: where in
+        the stream a stall fell (chunk i arrived that long after chunk i - 1)."""
+        ranked = sorted(enumerate(self.gaps_s, start=1), key=lambda gap: -gap[1])[:count]
+        return [(index, round(1e3 * seconds, 2)) for index, seconds in ranked]
+
 
 class Timer:
     """Token arrival bookkeeping for one request (times relative to the burst start)."""
@@ -899,6 +905,7 @@ async def measure(
                         "tokens": r.tokens,
                         "chunks": r.chunks,
                         "decode_tps": r.decode_tps,
+                        "slowest_gaps_ms": r.slowest_gaps(),
                         "status": r.status,
                     }
                     for r in results
