@@ -391,9 +391,7 @@ class BatchDecoder:
         # a step after a clear allocates every buffer anew: on an H100's 8B, 16 rows, the steps
         # at each 256th took 48-80 ms against 9-15 (`bench.long_arrival --trace-chunks`).
         self.steps += 1
-        constrained = any(seq.grammar is not None for seq in rows)  # (queued at once)
-        defer = not constrained and self.dispatch_order.defer()
-        queued = queue_tokens(rows, logits, self._choice, spent, dispatch=not defer)
+        queued = queue_tokens(rows, logits, self._choice, spent, order=self.dispatch_order)
         if queued.tokens is not None:
             self._inputs = queued.tokens
         return queued

@@ -39,6 +39,7 @@ from trio_mlx.engine.batch_choice import BatchChoice
 from trio_mlx.engine.batch_sequence import BatchSequence
 from trio_mlx.engine.compiled_step import CompiledDecode
 from trio_mlx.engine.decode import PendingToken, read_logprobs
+from trio_mlx.engine.dispatch_order import DispatchOrder
 from trio_mlx.engine.lean_step import LeanStep
 from trio_mlx.structured.matcher import GrammarViolation
 from trio_mlx.types import TokenLogprob
@@ -78,7 +79,7 @@ class QueuedStep:
         self.logits = logits
         self.pieces = pieces
         #: whether its arrays are queued on the device (`dispatch`); False: built only
-        #: (`queue_tokens`' `dispatch`, `dispatch_order`)
+        #: (`queue_tokens` with an `order` that defers it: `dispatch_order`)
         self.dispatched = dispatched
 
     def dispatch(self) -> None:
@@ -163,14 +164,14 @@ def queue_tokens(
     choice: BatchChoice,
     spent: frozenset[int],
     *,
-    dispatch: bool = True,
+    order: DispatchOrder | None = None,
 ) -> QueuedStep:
     """Choose every row's token from the step's `logits` and queue them on the device. With a
     constrained row among `rows`, only the other rows' tokens (`QueuedStep.pieces`): the
     constrained ones wait for their masks (`batch_constrained.choose_constrained`); else the
-    step's `tokens`, the next step's inputs, queued only with `dispatch` (else built, for
-    `QueuedStep.dispatch` to queue: `dispatch_order`). A step with constrained rows is queued
-    at once whatever `dispatch` says (their masks are computed while it runs)."""
+    step's `tokens`, the next step's inputs, queued unless `order` defers them (then built,
+    for `QueuedStep.dispatch` to queue). A step with constrained rows is queued at once, and
+    `order` is not asked (their masks are computed while it runs)."""
     if any(seq.grammar is not None for seq in rows):
         pieces, logprobs = choice.pieces(rows, logits, skip_constrained=True, spent=spent)
         ready = [p for p in pieces if p is not None]
@@ -178,7 +179,7 @@ def queue_tokens(
         return QueuedStep(rows, None, logprobs, logits=logits, pieces=pieces)
     tokens, logprobs = choice.tokens(rows, logits, spent)
     queued = QueuedStep(rows, tokens, logprobs, dispatched=False)
-    if dispatch:
+    if order is None or not order.defer():
         queued.dispatch()
     return queued
 
