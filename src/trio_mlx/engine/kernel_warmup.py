@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -62,24 +63,16 @@ def warm_quantized_kernels(model: Any, *, force: bool = False) -> int:
     if not (force or needed()):
         return 0
     began = time.perf_counter()
-    seen: set[tuple[Any, ...]] = set()
-    ran = 0
-    for _, module in model.named_modules():
-        if not isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            continue
-        mode = getattr(module, "mode", "affine")
-        kind = (module["scales"].dtype, module.bits, module.group_size, mode)
-        if kind in seen:
-            continue
-        seen.add(kind)
-        width = int(module["weight"].shape[-1]) * 32 // int(module.bits)
+    kinds = ran = 0
+    for kind, module in _one_per(model, (QuantizedLinear, QuantizedEmbedding), _kind):
+        kinds += 1
         limit = getattr(module, "dequantize_from_rows", None)
         product = module.as_linear if isinstance(module, QuantizedEmbedding) else module
         for rows in TILE_ROWS:
             if limit is not None and rows >= limit:
                 continue
             try:
-                mx.eval(product(mx.zeros((rows, width), dtype=module["scales"].dtype)))
+                mx.eval(product(_zero_rows(module, rows)))
             except Exception as exc:  # a warm-up must not stop a model that may serve
                 log.warning("quantized kernels of %s not warmed up: %s", kind, exc)
                 break
@@ -88,7 +81,7 @@ def warm_quantized_kernels(model: Any, *, force: bool = False) -> int:
         log.info(
             "quantized kernels ready in %.1f s (%d kinds; compiled once per host, then cached)",
             time.perf_counter() - began,
-            len(seen),
+            kinds,
         )
     return ran
 
@@ -100,29 +93,51 @@ def warm_few_rows_kernels(model: Any) -> int:
     at load; return how many products ran (0 where it applies to no layer, as on the CPU). A
     product that fails is logged and skipped: the requests that need it fall back or say so."""
     began = time.perf_counter()
-    seen: set[tuple[Any, ...]] = set()
     ran = 0
-    for _, module in model.named_modules():
-        if not isinstance(module, (RowRoutedLinear, RowRoutedEmbedding)):
-            continue
-        shape = (tuple(module["weight"].shape), module.group_size, module["scales"].dtype)
-        if shape in seen:
-            continue
-        seen.add(shape)
+    for shape, module in _one_per(model, (RowRoutedLinear, RowRoutedEmbedding), _weight_shape):
         product = few_rows_product(module)
         if product is None:
             continue
-        width = int(module["weight"].shape[-1]) * 32 // int(module.bits)
         try:
-            mx.eval(product(mx.zeros((FEW_ROWS, width), dtype=module["scales"].dtype)))
+            mx.eval(product(_zero_rows(module, FEW_ROWS)))
         except Exception as exc:  # a warm-up must not stop a model that may serve
             log.warning("few-rows kernel of %s not warmed up: %s", shape, exc)
             continue
         ran += 1
     if ran:
         log.info(
-            "few-rows kernels ready in %.1f s (%d weight shapes)",
-            time.perf_counter() - began,
-            ran,
+            "few-rows kernels ready in %.1f s (%d weight shapes)", time.perf_counter() - began, ran
         )
     return ran
+
+
+def _one_per(
+    model: Any, types: tuple[type, ...], key: Callable[[Any], Hashable]
+) -> Iterator[tuple[Hashable, Any]]:
+    """(key, module) for the first module of `types` in `model` with each distinct `key`."""
+    seen: set[Hashable] = set()
+    for _, module in model.named_modules():
+        if isinstance(module, types) and (found := key(module)) not in seen:
+            seen.add(found)
+            yield found, module
+
+
+def _kind(module: Any) -> Hashable:
+    """What `qmm_sm80`'s modules are compiled for: dtype, bits, group size, mode."""
+    return (
+        module["scales"].dtype,
+        module.bits,
+        module.group_size,
+        getattr(module, "mode", "affine"),
+    )
+
+
+def _weight_shape(module: Any) -> Hashable:
+    """What our few-rows kernel is compiled for: the weight's shape, group size and dtype."""
+    return (tuple(module["weight"].shape), module.group_size, module["scales"].dtype)
+
+
+def _zero_rows(module: Any, rows: int) -> Any:
+    """`rows` rows of zeros of a quantized layer's input width, in its scales' dtype."""
+    width = int(module["weight"].shape[-1]) * 32 // int(module.bits)
+    return mx.zeros((rows, width), dtype=module["scales"].dtype)
