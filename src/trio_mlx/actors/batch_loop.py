@@ -51,7 +51,8 @@ with the engine API, arrivals spread over 80 ms: a 100 ms bound made the median 
 token 1.5x what no hold gave; over 30 ms, 50 ms made it 0.8x; docs/benchmarks).
 
 The protocol with Trio is the serialized route's (see `runner`): one `SequenceEvent` batch per
-step via `run_sync_soon`, `Runner.submit` / `Runner.abort` / `TokenSink.push` unchanged.
+step posted to the runner's `Handoff`, `Runner.submit` / `Runner.abort` / `TokenSink.push`
+unchanged.
 """
 
 from __future__ import annotations
@@ -360,8 +361,8 @@ def _apply(runner: Runner, batch: BatchDecoder, lane: MediaLane) -> list[Sequenc
                     runner._snapshots.store(cast(Any, seq), "conversation")
             continue
         if isinstance(command, ClearSnapshots):
-            assert runner._token is not None
-            runner._token.run_sync_soon(command.reply.resolve, runner._snapshots.clear())
+            assert runner._handoff is not None
+            runner._handoff.post(command.reply.resolve, runner._snapshots.clear())
             continue
         job = command.job
         try:

@@ -12,8 +12,9 @@ Protocol (its messages and counters: `runner_protocol`):
   task cancelled: the engine is closing) wakes it, and while busy it checks for one before each
   step.
 - runner -> Trio: after each step, one batch of `SequenceEvent`s with every live request's new
-  tokens, finishes and errors, handed over with `TrioToken.run_sync_soon`; readiness and the
-  answer to a `ClearSnapshots` go the same way. The thread never waits for the event loop (the
+  tokens, finishes and errors, posted to the `handoff.Handoff` (the event loop woken without
+  the thread giving its GIL away); readiness and the answer to a `ClearSnapshots` go the same
+  way. The thread never waits for the event loop (the
   prefix-cache book it consults is thread-safe and called directly: `snapshot_keeper`). On the
   Trio side `_deliver` fans a batch out to each request's `TokenSink`; a sink whose consumer has
   gone makes that request abort at the next step boundary.
@@ -68,6 +69,7 @@ import outcome
 import trio
 
 from trio_mlx.actors.batch_loop import serve_batched
+from trio_mlx.actors.handoff import Handoff
 from trio_mlx.actors.kv_cache import CacheKind
 from trio_mlx.actors.kv_cache_manager import KVCacheManager
 from trio_mlx.actors.model_info import ModelInfo
@@ -198,7 +200,8 @@ class Runner:
         #: an engine call's start, until it enters admission): written on the Trio thread
         #: (`expect`), read by the runner thread (`batch_loop`: a burst's first arrivals wait)
         self.arriving = 0
-        self._token: trio.lowlevel.TrioToken | None = None
+        #: the hand-over of the runner thread's events to the Trio thread (made by `run`)
+        self._handoff: Handoff | None = None
         self.counters = RunnerCounters()
         self.info: ModelInfo | None = None
         self.crash: BaseException | None = None
@@ -216,11 +219,11 @@ class Runner:
     ) -> None:
         """Start the thread, load the model, report `ModelInfo` as started, then serve until
         cancelled. A load error is raised before `started` (so `nursery.start` raises it)."""
-        self._token = trio.lowlevel.current_trio_token()
+        handoff = self._handoff = Handoff()
         started = False
 
         def report_ready(info: ModelInfo) -> None:
-            # On the Trio thread, handed over with run_sync_soon (the thread does not wait).
+            # On the Trio thread, handed over by the Handoff (the thread does not wait).
             nonlocal started
             started = self._serving = True
             task_status.started(info)
@@ -240,6 +243,7 @@ class Runner:
                 reply.resolve(None)
             if started:
                 self.fail_all("abort", None)
+            handoff.close()
 
     async def _run_thread(self, report_ready: Callable[[ModelInfo], None]) -> None:
         """Run `_thread_main` on a runner thread until it returns; re-raise what it raised.
@@ -251,7 +255,8 @@ class Runner:
         drops the model on its own thread and parks (`runner_threads`). Its outcome (the
         model, or a load error) goes with it, unreported; a process that ends meanwhile waits
         for it (`RunnerJob.abandon`: torn down inside MLX, the process would abort)."""
-        token = trio.lowlevel.current_trio_token()
+        handoff = self._handoff
+        assert handoff is not None
         finished = trio.Event()
         result: list[outcome.Outcome[None]] = []
 
@@ -263,17 +268,17 @@ class Runner:
 
         def done() -> None:
             with contextlib.suppress(trio.RunFinishedError):  # the run is gone: nobody waits
-                token.run_sync_soon(finished.set)
+                handoff.post(finished.set)
 
         thread_job = start_runner_thread(body, done)
         try:
-            await finished.wait()
+            await handoff.serve_until(finished)
         finally:
             self._stop.set()
             self._wakeup.set()
             if self._loaded.is_set():
                 with trio.CancelScope(shield=True):
-                    await finished.wait()
+                    await handoff.serve_until(finished)
             else:  # abandoned mid-load (see the docstring); the process's exit waits for it
                 thread_job.abandon()
         result[0].unwrap()
@@ -390,9 +395,9 @@ class Runner:
         self.kv_bytes_per_token = setup.kv_bytes_per_token
         self.batching = setup.batching
         self.speculator = setup.speculator
-        assert self._token is not None
+        assert self._handoff is not None
         self.info = setup.info  # before any job can arrive: jobs come after `started`
-        self._token.run_sync_soon(report_ready, setup.info)
+        self._handoff.post(report_ready, setup.info)
         with mx.stream(runner_stream()):
             if self.batching:
                 serve_batched(self, models.target)
@@ -409,8 +414,8 @@ class Runner:
         not delay them; then `after_tokens` (the next step queued on the device:
         `BatchDecoder.dispatch_pending`). Finishes after the snapshots: a finished request's
         entries are in the book when it ends."""
-        assert self._token is not None
-        deliver = self._token.run_sync_soon
+        assert self._handoff is not None
+        deliver = self._handoff.post
         # with no snapshot to take, the finishes go with the tokens
         first = tuple(e for e in events if e.finish is None) if stores else tuple(events)
         if first:

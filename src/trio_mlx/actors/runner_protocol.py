@@ -3,8 +3,8 @@
 - Trio -> runner, through the runner's command queue: `StartJob`, `AbortJob`,
   `ClearSnapshots` (a `Command`), read by the thread between steps on either route
   (`serial_loop._take_commands`, `batch_loop._apply`);
-- runner -> Trio, with `TrioToken.run_sync_soon`: one batch of `SequenceEvent`s a step, and the
-  value of an `Answer`;
+- runner -> Trio, posted to the runner's `handoff.Handoff`: one batch of `SequenceEvent`s a
+  step, and the value of an `Answer`;
 - `RunnerCounters`: written by the runner thread only, read by anyone (`Engine.get_stats`).
 
 Messages are frozen dataclasses; an `Answer` is resolved at most once, on the Trio thread.

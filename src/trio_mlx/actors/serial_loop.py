@@ -17,8 +17,8 @@ The loop, top to bottom, once per step while anything is live:
    the sequences that finished, unless a sequence's cache is not safe to snapshot) go out
    through `Runner._emit`: tokens first, finishes after the snapshots.
 
-The protocol with Trio is the runner's (see `runner`): one `SequenceEvent` batch per step via
-`run_sync_soon`, `Runner.submit` / `Runner.abort` / `TokenSink.push` unchanged.
+The protocol with Trio is the runner's (see `runner`): one `SequenceEvent` batch per step posted
+to the runner's `Handoff`, `Runner.submit` / `Runner.abort` / `TokenSink.push` unchanged.
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def _take_commands(
                     runner._snapshots.store(seq, "conversation")
             continue
         if isinstance(command, ClearSnapshots):
-            assert runner._token is not None
-            runner._token.run_sync_soon(command.reply.resolve, runner._snapshots.clear())
+            assert runner._handoff is not None
+            runner._handoff.post(command.reply.resolve, runner._snapshots.clear())
             continue
         job = command.job
         try:
