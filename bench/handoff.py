@@ -28,6 +28,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,26 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _bare_round(steps: int, build: float, dispatch: float, limit: float) -> float:
-    """Steps a second of the loop alone (no hand-over)."""
+def _steps(
+    steps: int, build: float, dispatch: float, limit: float, after: Callable[[], None] | None = None
+) -> int:
+    """The loop: up to `steps` steps of `build` (GIL held) then `dispatch` (GIL released), each
+    followed by `after()` if given, for at most `limit` seconds; how many steps it made."""
     began = time.perf_counter()
     done = 0
     while done < steps and time.perf_counter() - began < limit:
         _spin(build)
         time.sleep(dispatch)
+        if after is not None:
+            after()
         done += 1
+    return done
+
+
+def _bare_round(steps: int, build: float, dispatch: float, limit: float) -> float:
+    """Steps a second of the loop alone (no hand-over)."""
+    began = time.perf_counter()
+    done = _steps(steps, build, dispatch, limit)
     return done / (time.perf_counter() - began)
 
 
@@ -67,13 +80,7 @@ async def _round(
         delivered[0] += 1
 
     def loop() -> None:
-        began = time.perf_counter()
-        done = 0
-        while done < steps and time.perf_counter() - began < limit:
-            _spin(build)
-            time.sleep(dispatch)
-            handoff.post(deliver)
-            done += 1
+        _steps(steps, build, dispatch, limit, after=lambda: handoff.post(deliver))
         handoff.post(finished.set)
 
     began = time.perf_counter()
