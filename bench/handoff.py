@@ -120,7 +120,9 @@ def main(argv: list[str]) -> dict[str, Any]:
                             _round, mode, args.steps, build, dispatch, work_us / 1e6, args.round_s
                         )
                     )
-            row = {"trio_us": work_us} | {m: statistics.median(r) for m, r in rates.items()}
+            row: dict[str, Any] = {"trio_us": work_us} | {
+                m: statistics.median(r) for m, r in rates.items()
+            }
             row["hold_over_trio"] = row["hold"] / row["trio"]
             row["rounds"] = rates
             rows.append(row)
