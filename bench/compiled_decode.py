@@ -28,6 +28,9 @@ queuing step k+1 before reading token k (as the engine does):
   unquantized model);
 - `lean+rows`: `lean+fused` with each block's products, its norms, SwiGLU and residual adds as
   four kernels of our own (`engine/row_product.py`; MLX's CUDA backend only, else `lean+fused`);
+- `lean+split`: `lean+fused` with each step's dispatch on a second thread (`split_decode`,
+  experimental): this thread builds step k+1 while the other queues step k (`mx.async_eval`,
+  which releases the GIL) and reads token k-1, the two sharing one MLX stream;
 - `engine_lean`: `decode.ActiveSequence` with the lean step on the fused model (what the
   serialized route serves on a GPU); `engine_rows`: the same with `lean+rows`; `engine_bias`: the
   same with the EOS ids' logit bias of `bench.compare`'s requests (the logits read out of the
@@ -40,9 +43,9 @@ queuing step k+1 before reading token k (as the engine does):
 Per variant and token: decode tok/s, and for the loop variants the host's time building the step
 (`build_ms`: Python, or the traced step's replay), queuing it (`dispatch_ms`: `mx.async_eval`,
 MLX's C++ dispatch and kernel launches), waiting for the token (`wait_ms`: the device behind the
-host) and the loop thread's CPU time. `agree`: how many leading greedy tokens equal `plain`'s
-(GPU rounding may split a near-tie). The weights' bytes over `--hbm-tb-s` give each model's
-bandwidth ceiling in tok/s.
+host) and the loop thread's CPU time. `agree`: how many leading greedy tokens equal `plain`'s, or
+`lean+fused`'s where `plain` is not run (GPU rounding may split a near-tie). The weights' bytes
+over `--hbm-tb-s` give each model's bandwidth ceiling in tok/s.
 
 Bounded: every cell stops after `--cell-seconds` of decoding; no new cell starts after
 `--deadline-s` (reported as skipped). Variants alternate within each repeat, order rotated;
@@ -56,9 +59,11 @@ import argparse
 import json
 import os
 import platform
+import queue
 import shlex
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +96,7 @@ VARIANTS = (
     "lean+fused",
     "lean+mlx_qmv",
     "lean+rows",
+    "lean+split",
     "engine_lean",
     "engine_rows",
     "engine_bias",
@@ -208,6 +214,61 @@ def loop_decode(
     return time.perf_counter() - t0, time.thread_time() - cpu0
 
 
+def split_decode(
+    model: Any, prompt: Any, cell: Cell, step: Callable[[Any, list[Any]], Any]
+) -> tuple[float, float]:
+    """Greedy decode with the dispatch on a second thread: this thread builds step k+1 (Python,
+    the GIL held) while the dispatcher queues step k (`mx.async_eval`, the GIL released) and then
+    reads token k-1. The two threads share one stream (`mx.new_thread_unsafe_stream`); this one
+    builds at most two steps ahead of the tokens read. Returns (seconds, this thread's CPU
+    seconds) from the first token on; `build_ms` is this thread's, `wait_ms` its wait for tokens."""
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
+    mx.eval(token)
+    stream = mx.new_thread_unsafe_stream(mx.default_device())
+    todo: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    done: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
+
+    def dispatcher() -> None:
+        mx.set_default_stream(stream)
+        previous = token
+        try:
+            while (queued := todo.get()) is not None:
+                mx.async_eval(queued)
+                done.put(int(previous.item()))
+                previous = queued
+            done.put(int(previous.item()))
+        except BaseException as exc:  # reported by the building thread
+            done.put(exc)
+
+    worker = threading.Thread(target=dispatcher, name="split-dispatch", daemon=True)
+    cell.decoding()
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    worker.start()
+    built, building, latest = 0, True, token
+    with mx.stream(stream):
+        while len(cell.tokens) < built + 1:
+            if building and built - len(cell.tokens) < 2:
+                if built + 1 >= cell.n or time.perf_counter() > cell.deadline:
+                    building = False
+                    todo.put(None)
+                    continue
+                t = time.perf_counter()
+                latest = step(latest, cache)
+                cell.build += time.perf_counter() - t
+                todo.put(latest)
+                built += 1
+                continue
+            t = time.perf_counter()
+            got = done.get()
+            cell.wait += time.perf_counter() - t
+            if isinstance(got, BaseException):
+                raise got
+            cell.tokens.append(got)
+    worker.join()
+    return time.perf_counter() - t0, time.thread_time() - cpu0
+
+
 def plain_step(model: Any) -> Callable[[Any, list[Any]], Any]:
     return lambda token, cache: mx.argmax(model(token[None], cache=cache)[:, -1, :], axis=-1)
 
@@ -316,6 +377,8 @@ def run_variant(
         }
         decoder = decoders[engine_step[variant]] if variant in engine_step else None
         return engine_decode(fused, ids_tuple, cell, decoder, vocab, variant == "engine_bias")
+    if variant == "lean+split":
+        return split_decode(fused, prompt, cell, compiled_step(decoders["lean+fused"]))
     subject = model if variant in ("plain", "compiled", "lean") else fused
     decoder = decoders.get(variant)
     step = plain_step(subject) if decoder is None else compiled_step(decoder)
@@ -397,6 +460,8 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
         "errors": {},
     }
     variants = [v for v in args.variants if v in VARIANTS and (v != "kernel" or v in decoders)]
+    # `agree` counts against `plain`, or against `lean+fused` where `plain` is not asked for
+    reference_variant = "plain" if "plain" in variants else "lean+fused"
     log(f"[{spec}] {description}: {size / 1e9:.2f} GB, {groups} fused groups, "
         f"setup {report['setup_s']:.1f} s")  # fmt: skip
     for length in args.prompt_tokens:
@@ -420,7 +485,7 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
                     continue
                 if repeat == 0:
                     report["first_use_s"][f"{variant}/{length}"] = time.perf_counter() - t
-                    if variant == "plain":
+                    if variant == reference_variant:
                         reference = cell.tokens
                     continue
                 row = {"variant": variant, "prompt": length, "repeat": repeat}
@@ -434,14 +499,14 @@ def measure_model(spec: str, args: argparse.Namespace, deadline: float) -> dict[
             (
                 r["_tokens"]
                 for r in report["rows"]
-                if r["variant"] == "plain" and r["prompt"] == length
+                if r["variant"] == reference_variant and r["prompt"] == length
             ),
             reference,
         )
         for r in report["rows"]:
             if r["prompt"] == length and "_tokens" in r:
                 tokens = r.pop("_tokens")
-                if plain_tokens:  # no `plain` variant asked for: nothing to agree with
+                if plain_tokens:  # the reference variant not run: nothing to agree with
                     r["agree"] = agreement(tokens, plain_tokens)
     report["summary"] = summarize(report["rows"])
     del model, fused, decoders
