@@ -30,7 +30,8 @@ queuing step k+1 before reading token k (as the engine does):
   four kernels of our own (`engine/row_product.py`; MLX's CUDA backend only, else `lean+fused`);
 - `lean+split`: `lean+fused` with each step's dispatch on a second thread (`split_decode`,
   experimental): this thread builds step k+1 while the other queues step k (`mx.async_eval`,
-  which releases the GIL) and reads token k-1, the two sharing one MLX stream;
+  which releases the GIL) and reads token k-1, the two sharing one MLX stream; `lean+stream`:
+  `lean+fused`'s one-thread loop on such a stream (`mx.new_thread_unsafe_stream`);
 - `engine_lean`: `decode.ActiveSequence` with the lean step on the fused model (what the
   serialized route serves on a GPU); `engine_rows`: the same with `lean+rows`; `engine_bias`: the
   same with the EOS ids' logit bias of `bench.compare`'s requests (the logits read out of the
@@ -97,6 +98,7 @@ VARIANTS = (
     "lean+mlx_qmv",
     "lean+rows",
     "lean+split",
+    "lean+stream",
     "engine_lean",
     "engine_rows",
     "engine_bias",
@@ -165,6 +167,8 @@ class Cell:
         self.n = n
         self.tokens: list[int] = []
         self.build = self.dispatch = self.wait = 0.0
+        #: `lean+split`'s dispatcher thread: its wait for each token (`.item()`)
+        self.read = 0.0
 
     def decoding(self) -> None:
         """The first token is out: the cell's time bound counts from here."""
@@ -180,6 +184,8 @@ class Cell:
                 "dispatch_ms": self.dispatch * per,
                 "wait_ms": self.wait * per,
             }
+        if self.read:
+            row["read_ms"] = self.read * per
         row["cpu_ms"] = cpu * per
         return row
 
@@ -221,7 +227,8 @@ def split_decode(
     the GIL held) while the dispatcher queues step k (`mx.async_eval`, the GIL released) and then
     reads token k-1. The two threads share one stream (`mx.new_thread_unsafe_stream`); this one
     builds at most two steps ahead of the tokens read. Returns (seconds, this thread's CPU
-    seconds) from the first token on; `build_ms` is this thread's, `wait_ms` its wait for tokens."""
+    seconds) from the first token on; `build_ms` is this thread's, `wait_ms` its wait for tokens,
+    `dispatch_ms` and `read_ms` the dispatcher's `mx.async_eval` and its wait for each token."""
     cache = make_prompt_cache(model)
     token = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
     mx.eval(token)
@@ -234,8 +241,12 @@ def split_decode(
         previous = token
         try:
             while (queued := todo.get()) is not None:
+                t = time.perf_counter()
                 mx.async_eval(queued)
+                t1 = time.perf_counter()
                 done.put(int(previous.item()))
+                cell.dispatch += t1 - t
+                cell.read += time.perf_counter() - t1
                 previous = queued
             done.put(int(previous.item()))
         except BaseException as exc:  # reported by the building thread
@@ -377,6 +388,10 @@ def run_variant(
         }
         decoder = decoders[engine_step[variant]] if variant in engine_step else None
         return engine_decode(fused, ids_tuple, cell, decoder, vocab, variant == "engine_bias")
+    if variant == "lean+stream":
+        stream = mx.new_thread_unsafe_stream(mx.default_device())
+        with mx.stream(stream):
+            return loop_decode(fused, prompt, cell, compiled_step(decoders["lean+fused"]))
     if variant == "lean+split":
         return split_decode(fused, prompt, cell, compiled_step(decoders["lean+fused"]))
     subject = model if variant in ("plain", "compiled", "lean") else fused
