@@ -68,6 +68,21 @@ async def test_a_burst_of_posts_shares_one_wakeup() -> None:
     handoff.close()
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="no /proc/self/fd to count")
+async def test_the_trio_mode_opens_no_descriptors_and_the_hold_mode_closes_its_own() -> None:
+    def open_fds() -> int:
+        return len(list(Path("/proc/self/fd").iterdir()))
+
+    before = open_fds()
+    handoff = Handoff("trio")
+    assert open_fds() == before  # run_sync_soon needs no socket pair of ours
+    handoff.close()
+    held = Handoff("hold")
+    assert open_fds() == before + (2 if held.mode == "hold" else 0)
+    held.close()
+    assert open_fds() == before
+
+
 async def test_a_post_after_close_runs_nowhere_and_writes_nothing() -> None:
     handoff = Handoff("hold")
     handoff.close()

@@ -83,10 +83,20 @@ class Handoff:
         self._calls: deque[tuple[Callable[..., object], tuple[Any, ...]]] = deque()
         #: a wake-up is on its way: a post adds to the queue and writes nothing
         self._pending = False
-        self._reader, self._writer = socket.socketpair()
-        self._reader.setblocking(False)
-        self._writer.setblocking(False)
-        self._wake = gil_holding_send(self._writer.fileno()) if mode == "hold" else None
+        #: the wake-up's socket pair and its GIL-keeping write (`hold` only; None in `trio` mode)
+        self._reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+        self._wake: Callable[[], None] | None = None
+        if mode == "hold":
+            reader, writer = socket.socketpair()
+            wake = gil_holding_send(writer.fileno())
+            if wake is None:  # libc's send out of reach: run_sync_soon after all
+                reader.close()
+                writer.close()
+            else:
+                reader.setblocking(False)
+                writer.setblocking(False)
+                self._reader, self._writer, self._wake = reader, writer, wake
         #: held while the writer's descriptor is written or closed: a late post after `close`
         #: must not write to a descriptor number the process may have given to another file
         self._closing = threading.Lock()
@@ -122,19 +132,21 @@ class Handoff:
     async def serve_until(self, done: trio.Event) -> None:
         """Run posted calls as their wake-ups arrive, until one of them has set `done` (the
         runner thread's last post: everything posted before it has run)."""
-        if self._wake is None:  # posts go through run_sync_soon
+        reader = self._reader
+        if reader is None:  # posts go through run_sync_soon
             await done.wait()
             return
         while not done.is_set():
-            await trio.lowlevel.wait_readable(self._reader)
+            await trio.lowlevel.wait_readable(reader)
             with contextlib.suppress(BlockingIOError):
-                while self._reader.recv(4096):
+                while reader.recv(4096):
                     pass
             self.run_posted()
 
     def close(self) -> None:
-        """Close the socket pair; a later post runs nowhere (and writes nothing)."""
+        """Close the socket pair (if any); a later post runs nowhere (and writes nothing)."""
         with self._closing:
             self._closed = True
-            self._reader.close()
-            self._writer.close()
+            for end in (self._reader, self._writer):
+                if end is not None:
+                    end.close()
