@@ -257,26 +257,30 @@ def split_decode(
     cpu0, t0 = time.thread_time(), time.perf_counter()
     worker.start()
     built, building, latest = 0, True, token
-    with mx.stream(stream):
-        while len(cell.tokens) < built + 1:
-            if building and built - len(cell.tokens) < 2:
-                if built + 1 >= cell.n or time.perf_counter() > cell.deadline:
-                    building = False
-                    todo.put(None)
+    try:
+        with mx.stream(stream):
+            while len(cell.tokens) < built + 1:
+                if building and built - len(cell.tokens) < 2:
+                    if built + 1 >= cell.n or time.perf_counter() > cell.deadline:
+                        building = False
+                        todo.put(None)
+                        continue
+                    t = time.perf_counter()
+                    latest = step(latest, cache)
+                    cell.build += time.perf_counter() - t
+                    todo.put(latest)
+                    built += 1
                     continue
                 t = time.perf_counter()
-                latest = step(latest, cache)
-                cell.build += time.perf_counter() - t
-                todo.put(latest)
-                built += 1
-                continue
-            t = time.perf_counter()
-            got = done.get()
-            cell.wait += time.perf_counter() - t
-            if isinstance(got, BaseException):
-                raise got
-            cell.tokens.append(got)
-    worker.join()
+                got = done.get()
+                cell.wait += time.perf_counter() - t
+                if isinstance(got, BaseException):
+                    raise got
+                cell.tokens.append(got)
+    finally:
+        if building:  # a failure: the dispatcher finishes what it has and stops
+            todo.put(None)
+        worker.join()
     return time.perf_counter() - t0, time.thread_time() - cpu0
 
 
