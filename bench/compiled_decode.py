@@ -190,14 +190,20 @@ class Cell:
         return row
 
 
+def first_token(model: Any, prompt: Any) -> tuple[list[Any], Any]:
+    """A fresh cache holding `prompt`, and the greedy first token after it (evaluated)."""
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
+    mx.eval(token)
+    return cache, token
+
+
 def loop_decode(
     model: Any, prompt: Any, cell: Cell, step: Callable[[Any, list[Any]], Any]
 ) -> tuple[float, float]:
     """Greedy decode, step k+1 queued before token k is read; returns (seconds, cpu seconds)
     from the first token on."""
-    cache = make_prompt_cache(model)
-    token = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
-    mx.eval(token)
+    cache, token = first_token(model, prompt)
     cell.decoding()
     cpu0, t0 = time.thread_time(), time.perf_counter()
     while len(cell.tokens) < cell.n:
@@ -229,9 +235,7 @@ def split_decode(
     builds at most two steps ahead of the tokens read. Returns (seconds, this thread's CPU
     seconds) from the first token on; `build_ms` is this thread's, `wait_ms` its wait for tokens,
     `dispatch_ms` and `read_ms` the dispatcher's `mx.async_eval` and its wait for each token."""
-    cache = make_prompt_cache(model)
-    token = mx.argmax(model(prompt[None], cache=cache)[:, -1, :], axis=-1)
-    mx.eval(token)
+    cache, token = first_token(model, prompt)
     stream = mx.new_thread_unsafe_stream(mx.default_device())
     todo: queue.SimpleQueue[Any] = queue.SimpleQueue()
     done: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
